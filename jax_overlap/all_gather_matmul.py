@@ -1,0 +1,101 @@
+"""All-gather + matmul, per shard.
+
+    out = all_gather(x, axis_name, axis=0, tiled=True) @ w
+
+The left operand is gathered along its rows; the right operand stays local.
+This is the first matmul of a sequence-parallel transformer block (the
+activations arrive sharded along the sequence, the weights column-parallel).
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_overlap import _validate
+from jax_overlap import dispatch
+from jax_overlap import xla_paths
+from pallas_kernels import platform
+
+OP = "all_gather_matmul"
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Validated static arguments of one call (per shard)."""
+  axis_size: int
+  m_shard: int
+  k: int
+  n_shard: int
+  dtype: np.dtype
+  config: object | None
+
+
+def _pallas_support(p: Problem) -> str | None:
+  return platform.hopper_unavailable_reason() or (
+      "the fused all-gather+matmul kernel is not built yet."
+  )
+
+
+_TABLE = {
+    "pallas": _pallas_support,
+    "xla_bsp": dispatch.always,
+    "xla_ring": dispatch.always,
+}
+_AUTO_ORDER = ("pallas", "xla_bsp")
+_XLA = {
+    "xla_bsp": xla_paths.all_gather_matmul_bsp,
+    "xla_ring": xla_paths.all_gather_matmul_ring,
+}
+
+
+def _bind(x, w, axis_size: int, config) -> Problem:
+  _validate.check_rank("x", x, 2, "[M_shard, K]")
+  _validate.check_rank("w", w, 2, "[K, N_shard]")
+  (m_shard, k), (k_w, n_shard) = x.shape, w.shape
+  if k != k_w:
+    raise ValueError(
+        f"x and w must share the contraction size K: x is {tuple(x.shape)}"
+        f" ([M_shard, K]) and w is {tuple(w.shape)} ([K, N_shard])."
+    )
+  _validate.check_dtype("x", x, DTYPES, OP)
+  _validate.check_same_dtype({"x": x, "w": w})
+  return Problem(axis_size, m_shard, k, n_shard, jnp.dtype(x.dtype), config)
+
+
+def explain(x, w, *, axis_size: int, impl: str = "auto", config=None) -> dispatch.Choice:
+  """The implementation `all_gather_matmul` would use, without running it.
+
+  `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
+  """
+  return dispatch.choose(OP, impl, _bind(x, w, axis_size, config), _TABLE, _AUTO_ORDER)
+
+
+def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
+                      return_gathered: bool = False):
+  """`all_gather(x, axis_name, tiled=True) @ w`, per shard, inside `jax.shard_map`.
+
+  Args:
+    x: [M_shard, K], this device's rows of the left operand (bf16, fp16; fp32
+      on the XLA paths).
+    w: [K, N_shard], this device's columns of the right operand; same dtype.
+    axis_name: the mesh axis to gather over (size D), bound by shard_map. It
+      may be one axis of a larger mesh.
+    impl: "auto" (the fused kernel where it applies, else "xla_bsp"),
+      "pallas", "xla_bsp" or "xla_ring". See `explain`.
+    config: tile configuration for impl "pallas"; None picks one.
+    return_gathered: also return the gathered x, e.g. for a backward pass.
+
+  Returns:
+    [D * M_shard, N_shard] in x's dtype, rows in device order along the axis
+    (float32 accumulation); with `return_gathered`, also [D * M_shard, K].
+
+  Raises:
+    ValueError: unbound axis_name, ranks or K mismatch, an impl that cannot run
+      these shapes here.
+    TypeError: unsupported or mismatched dtypes.
+  """
+  problem = _bind(x, w, _validate.bound_axis_size(axis_name), config)
+  choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  return _XLA[choice.impl](x, w, axis_name, return_gathered)

@@ -1,0 +1,121 @@
+"""Distributed flash decoding, per shard.
+
+One decode step of attention over a KV cache that is sharded along the
+sequence across the devices of an axis: every device attends over its own
+slice, then the partial results are merged exactly with the log-sum-exp rule,
+so every device ends with the full attention output.
+"""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_overlap import _validate
+from jax_overlap import dispatch
+from jax_overlap import xla_paths
+from pallas_kernels import platform
+
+OP = "flash_decode"
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Validated static arguments of one call (per shard)."""
+  axis_size: int
+  batch: int
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  s_shard: int
+  dtype: np.dtype
+  config: object | None
+
+
+def _pallas_support(p: Problem) -> str | None:
+  return platform.hopper_unavailable_reason() or (
+      "the fused flash-decode kernel is not built yet."
+  )
+
+
+_TABLE = {"pallas": _pallas_support, "xla_bsp": dispatch.always}
+_AUTO_ORDER = ("pallas", "xla_bsp")
+
+
+def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
+  _validate.check_rank("q", q, 3, "[B, Hq, Dh]")
+  _validate.check_rank("k", k, 4, "[B, S_shard, Hkv, Dh]")
+  _validate.check_rank("v", v, 4, "[B, S_shard, Hkv, Dh]")
+  if tuple(k.shape) != tuple(v.shape):
+    raise ValueError(
+        f"k and v must have the same shape [B, S_shard, Hkv, Dh], got"
+        f" {tuple(k.shape)} and {tuple(v.shape)}."
+    )
+  b, hq, dh = q.shape
+  _, s_shard, hkv, dh_k = k.shape
+  _validate.check_dim("k", k.shape[0], b, "the batch size (dim 0) = q's B")
+  _validate.check_dim("k", dh_k, dh, "the head dim (dim 3) = q's Dh")
+  _validate.check_divisible(
+      "q", hq, hkv, "the query head count Hq",
+      f"Hq must be a multiple of k's KV head count Hkv = {hkv} (MHA, GQA, MQA).",
+  )
+  _validate.check_dtype("q", q, DTYPES, OP)
+  _validate.check_same_dtype({"q": q, "k": k, "v": v})
+  if kv_lens is not None:
+    _validate.check_rank("kv_lens", kv_lens, 1, "[B]")
+    _validate.check_dim("kv_lens", kv_lens.shape[0], b, "the length (one per sequence) = q's B")
+    if not jnp.issubdtype(kv_lens.dtype, jnp.integer):
+      raise TypeError(
+          f"kv_lens has dtype {jnp.dtype(kv_lens.dtype).name}; it must be an"
+          " integer type (int32). Cast it with kv_lens.astype(jnp.int32)."
+      )
+  return Problem(axis_size, b, hq, hkv, dh, s_shard, jnp.dtype(q.dtype), config)
+
+
+def explain(q, k, v, kv_lens=None, *, axis_size: int, impl: str = "auto",
+            config=None) -> dispatch.Choice:
+  """The implementation `flash_decode` would use, without running it.
+
+  Arguments may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
+  """
+  problem = _bind(q, k, v, kv_lens, axis_size, config)
+  return dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+
+
+def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
+                 impl: str = "auto", config=None):
+  """Exact decode attention over a sequence-sharded KV cache, inside `jax.shard_map`.
+
+  Args:
+    q: [B, Hq, Dh], the step's queries, the same on every device.
+    k, v: [B, S_shard, Hkv, Dh], this device's slice of the KV cache: the
+      device at axis index i holds global positions [i * S_shard, (i+1) * S_shard).
+      Hq must be a multiple of Hkv (GQA; Hkv = Hq is MHA, Hkv = 1 is MQA).
+      q, k and v share one dtype: bf16, fp16 (fp32 on the XLA path).
+    axis_name: the mesh axis that shards the sequence (size D), bound by shard_map.
+    kv_lens: optional [B] integer global valid lengths; positions >= kv_lens[b]
+      are ignored (a device whose slice lies past the length contributes
+      nothing). None means every position is valid. A sequence of length 0
+      yields zeros.
+    scale: softmax scale; None means 1 / sqrt(Dh).
+    impl: "auto", "pallas" or "xla_bsp". See `explain`.
+    config: block/split configuration for impl "pallas"; None picks one.
+
+  Returns:
+    [B, Hq, Dh] in q's dtype, softmax(q k^T * scale) v over all valid positions
+    of the whole cache, identical on every device (float32 accumulation).
+
+  Raises:
+    ValueError: unbound axis_name, ranks, mismatched B/Dh/k-v shapes, Hq not a
+      multiple of Hkv, an impl that cannot run these shapes here.
+    TypeError: unsupported or mismatched dtypes, non-integer kv_lens.
+  """
+  problem = _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config)
+  dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  if scale is None:
+    scale = 1.0 / math.sqrt(problem.head_dim)
+  if kv_lens is None:
+    kv_lens = jnp.full((problem.batch,), problem.axis_size * problem.s_shard, jnp.int32)
+  return xla_paths.flash_decode_bsp(q, k, v, kv_lens.astype(jnp.int32), scale, axis_name)

@@ -1,0 +1,24 @@
+"""Where the Mosaic GPU kernels can run."""
+
+import jax
+
+
+def hopper_unavailable_reason() -> str | None:
+  """None if the default backend is an NVIDIA Hopper GPU, else why not.
+
+  Safe to call on any platform (it never asks a CPU for GPU-only properties).
+  """
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return (
+        "the Pallas kernels need NVIDIA Hopper GPUs (compute capability 9.0);"
+        f" the default backend here is {backend!r}."
+    )
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if capability != "9.0":
+    return (
+        "the Pallas kernels need NVIDIA Hopper GPUs (compute capability 9.0);"
+        f" found {device.device_kind} with compute capability {capability}."
+    )
+  return None
