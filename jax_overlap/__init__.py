@@ -8,6 +8,8 @@ Which implementation runs: `explain_*` (see `jax_overlap.dispatch`).
 """
 
 from jax_overlap.all_gather_matmul import all_gather_matmul
+from jax_overlap.configs import AllGatherMatmulConfig
+from jax_overlap.configs import GemmTiles
 from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
 from jax_overlap.dispatch import Choice
 from jax_overlap.flash_decode import explain as explain_flash_decode
@@ -19,7 +21,9 @@ from jax_overlap.sharded import sharded_flash_decode
 from jax_overlap.sharded import sharded_matmul_reduce_scatter
 
 __all__ = [
+    "AllGatherMatmulConfig",
     "Choice",
+    "GemmTiles",
     "all_gather_matmul",
     "explain_all_gather_matmul",
     "explain_flash_decode",

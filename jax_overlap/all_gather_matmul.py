@@ -15,6 +15,7 @@ import numpy as np
 from jax_overlap import _validate
 from jax_overlap import dispatch
 from jax_overlap import xla_paths
+from pallas_kernels import all_gather_matmul as kernel
 from pallas_kernels import platform
 
 OP = "all_gather_matmul"
@@ -32,10 +33,20 @@ class Problem:
   config: object | None
 
 
+def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
+  return p.config or kernel.default_config(p.m_shard, p.k, p.n_shard, p.dtype)
+
+
 def _pallas_support(p: Problem) -> str | None:
-  return platform.hopper_unavailable_reason() or (
-      "the fused all-gather+matmul kernel is not built yet."
-  )
+  return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
+      p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
+
+
+def _pallas(x, w, axis_name, return_gathered, problem):
+  out, gathered = kernel.all_gather_matmul(
+      x, w, axis_name=axis_name, config=_kernel_config(problem),
+      num_sms=platform.num_sms())
+  return (out, gathered) if return_gathered else out
 
 
 _TABLE = {
@@ -84,7 +95,8 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
       may be one axis of a larger mesh.
     impl: "auto" (the fused kernel where it applies, else "xla_bsp"),
       "pallas", "xla_bsp" or "xla_ring". See `explain`.
-    config: tile configuration for impl "pallas"; None picks one.
+    config: a `jax_overlap.AllGatherMatmulConfig` for impl "pallas"; None
+      picks one for the shape.
     return_gathered: also return the gathered x, e.g. for a backward pass.
 
   Returns:
@@ -98,4 +110,6 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
   """
   problem = _bind(x, w, _validate.bound_axis_size(axis_name), config)
   choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  if choice.impl == "pallas":
+    return _pallas(x, w, axis_name, return_gathered, problem)
   return _XLA[choice.impl](x, w, axis_name, return_gathered)

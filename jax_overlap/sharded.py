@@ -20,14 +20,26 @@ from jax_overlap.flash_decode import flash_decode
 from jax_overlap.matmul_reduce_scatter import matmul_reduce_scatter
 
 
+def _explicit(mesh) -> bool:
+  return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
 def _mesh_and_axes(mesh, axis_name, batch_axes: Sequence[str]):
+  context = jax.sharding.get_abstract_mesh()
   if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = context
     if mesh.empty:
       raise ValueError(
           "mesh is None and no mesh is set: pass mesh=..., or call inside"
           " `with jax.set_mesh(mesh):`."
       )
+  elif _explicit(mesh) and context != mesh.abstract_mesh:
+    raise ValueError(
+        "mesh has Explicit axes but is not the mesh set by jax.set_mesh;"
+        " explicitly sharded inputs can only be resharded under it. Call inside"
+        " `with jax.set_mesh(mesh):`, or build the mesh with"
+        " axis_types=(jax.sharding.AxisType.Auto, ...)."
+    )
   batch_axes = tuple(batch_axes)
   _validate.check_mesh_axes("axis_name", (axis_name,), mesh)
   _validate.check_mesh_axes("batch_axes", batch_axes, mesh)
@@ -43,7 +55,7 @@ def _shard_map(body, mesh, in_specs, out_specs, *args):
   `jax.reshard` does that (a no-op when they match). Under auto axes
   shard_map reshards by itself.
   """
-  if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+  if _explicit(mesh):
     args = [a if a is None else jax.reshard(a, s) for a, s in zip(args, in_specs)]
   return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 

@@ -22,3 +22,8 @@ def hopper_unavailable_reason() -> str | None:
         f" found {device.device_kind} with compute capability {capability}."
     )
   return None
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the default GPU (only call on a GPU)."""
+  return jax.devices()[0].core_count

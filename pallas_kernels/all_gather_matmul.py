@@ -1,0 +1,187 @@
+"""Fused all-gather + matmul on Hopper: one persistent kernel per device.
+
+Per shard: x [M_shard, K] (this device's rows), w [K, N_shard]; the kernel
+returns out = all_gather(x) @ w, [D * M_shard, N_shard], and the gathered x,
+[D * M_shard, K] (the receive buffer that the peers fill).
+
+Schedule. Output tiles are numbered step-major: step 0 is this device's own
+rows (no data to wait for), step s > 0 the rows of device (me + s) % D. Within a
+step tiles run M-fastest, so the tiles of output column 0 come first: the
+blocks that compute them load every A tile of the local shard in the first
+wave, and while each sits in shared memory for `wgmma` they also TMA-store it
+into every peer's receive buffer (no extra HBM read). When such a block has
+finished a row chunk's K loop it waits for its stores and raises the
+receiver's semaphore for (source, chunk). A tile of a remote step waits only
+for its own chunk's semaphore: per-chunk dataflow, no global barrier. Local
+tiles never wait, so the forwarding can never deadlock.
+
+Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
+cross-device barrier before every launch of a collective Mosaic GPU kernel,
+so no device writes into a peer's buffer before that peer has entered the
+same call.
+
+Exchange seam: with `Pregathered`, the kernel takes the gathered x as an
+input, reads every tile's rows from it, and does no remote copies, signals or
+waits; it computes one given device's output on a single device. The
+schedule, tile placement, GEMM core and epilogue are the same code, which is
+how they are tested on CPU with the Mosaic GPU interpreter. (The interpreter
+runs TMA, barriers and wgmma, but not semaphores or remote refs; it also
+asserts spuriously with a pipeline inside `pl.when`, which the exchange path's
+local/remote branch needs, and when two devices interpret at once, which
+JAX's own Hopper matmul shows too.)
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gemm_core
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherMatmulConfig:
+  """Tiles of the fused all-gather + matmul kernel (see gemm_core.GemmTiles).
+
+  The row chunk that is forwarded and signalled as a unit is the CTA tile's
+  row count, `tiles.cta_m`.
+  """
+  tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
+
+
+def default_config(m_shard: int, k: int, n_shard: int, dtype) -> AllGatherMatmulConfig:
+  """A config that fits the shape, or the default one if none does."""
+  itemsize = jnp.dtype(dtype).itemsize
+  for tile_m, cta_n in ((128, 256), (64, 256), (128, 128), (64, 128)):
+    tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=cta_n // 2, wg_split="n",
+                                epi_tile_n=min(64, cta_n // 2))
+    if tiles.unsupported_reason(m_shard, k, n_shard, itemsize) is None:
+      return AllGatherMatmulConfig(tiles)
+  return AllGatherMatmulConfig()
+
+
+def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
+                       config: AllGatherMatmulConfig) -> str | None:
+  """None if the kernel can run this per-shard problem, else why not."""
+  if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
+    return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
+  if not isinstance(config, AllGatherMatmulConfig):
+    return f"config must be an AllGatherMatmulConfig, got {type(config).__name__}."
+  return config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pregathered:
+  """Stands in for the exchange: `gathered` [size * M_shard, K] already holds
+  every device's rows, and the kernel computes the output of device `index`
+  of `size`. Runs on one device, with no remote refs or semaphores."""
+  gathered: jax.Array
+  index: int
+  size: int
+
+
+def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
+                      num_sms: int, pregathered: Pregathered | None = None,
+                      interpret=None):
+  """Runs the fused kernel on this shard.
+
+  Args:
+    x: [M_shard, K] bf16/fp16. w: [K, N_shard], same dtype.
+    axis_name: the mesh axis of size D to gather over (the kernel runs inside
+      shard_map over it); unused with `pregathered`.
+    config: tiles; `unsupported_reason` must have accepted the shapes.
+    num_sms: blocks of the persistent grid (the GPU's SM count).
+    pregathered: replaces the exchange (see `Pregathered`).
+    interpret: Mosaic GPU interpreter params (CPU testing), or None.
+
+  Returns:
+    (out [D * M_shard, N_shard], gathered x [D * M_shard, K]).
+  """
+  exchange = pregathered is None
+  d = lax.axis_size(axis_name) if exchange else pregathered.size
+  m_shard, k = x.shape
+  n = w.shape[1]
+  tiles = config.tiles
+  m_chunks = m_shard // tiles.cta_m
+  tiles_per_step = m_chunks * (n // tiles.cta_n)
+  grid = min(num_sms, d * tiles_per_step)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, delay_release=int(exchange))
+  remote = exchange and d > 1
+
+  def body(x_ref, w_ref, *refs):
+    if exchange:
+      out_ref, gathered_ref = refs
+      me = lax.axis_index(axis_name)
+    else:
+      gathered_ref, out_ref = refs
+      me = pregathered.index
+    wg = lax.axis_index(gemm_core.WG_AXIS)
+    arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks))) if remote else None
+
+    def tile(scratch, lin):
+      step, t = lin // tiles_per_step, lin % tiles_per_step
+      chunk, n_idx = t % m_chunks, t // m_chunks
+      src = lax.rem(me + step, d)
+      row0 = src * m_shard + chunk * tiles.cta_m
+      b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
+      out_tile = out_ref.at[pl.ds(row0, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
+      forwards = (wg == 0) & (n_idx == 0)
+      dst_rows = pl.ds(row0, tiles.cta_m)
+
+      def forward(k_idx, a_smem):
+        @pl.when(forwards)
+        def _():
+          cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
+          for offset in range(1, d):
+            peer = {axis_name: lax.rem(me + offset, d)}
+            plgpu.copy_smem_to_gmem(a_smem, plgpu.remote_ref(gathered_ref, peer).at[dst_rows, cols])
+          plgpu.copy_smem_to_gmem(a_smem, gathered_ref.at[dst_rows, cols])
+          # Stores of the previous step must be done reading its stage, which
+          # the pipeline releases after this step.
+          plgpu.wait_smem_to_gmem(d, wait_read_only=True)
+
+      def signal_chunk():
+        @pl.when(forwards)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          for offset in range(1, d):
+            pl.semaphore_signal(arrived.at[me, chunk], 1,
+                                device_id={axis_name: lax.rem(me + offset, d)})
+
+      if not exchange:
+        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile)
+        return
+
+      @pl.when(step == 0)
+      def _local():
+        core(scratch, x_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m)], b_cols, out_tile,
+             on_a_tile=forward, after_k=signal_chunk if remote else None)
+
+      @pl.when(step > 0)
+      def _remote():
+        if remote:
+          pl.semaphore_wait(arrived.at[src, chunk], 1, decrement=False)
+        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile)
+
+    @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
+                       **core.scratch(x_ref, w_ref))
+    def _(**scratch):
+      @plgpu.nd_loop((d * tiles_per_step,), collective_axes="sm")
+      def _(info):
+        tile(scratch, info.index[0])
+    gemm_core.final_wait()
+
+  out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)
+  if exchange:
+    gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
+    return gemm_core.launch(body, out_type=(out_struct, gathered_struct),
+                            num_sms=grid, interpret=interpret)(x, w)
+  out = gemm_core.launch(body, out_type=out_struct, num_sms=grid,
+                         interpret=interpret)(x, w, pregathered.gathered)
+  return out, pregathered.gathered

@@ -1,0 +1,224 @@
+"""The Hopper GEMM tile core shared by the matmul kernels.
+
+A CTA of three warpgroups computes one [cta_m, cta_n] output tile: warpgroup 2
+streams A and B tiles over K with TMA into a multi-stage swizzled shared-memory
+ring (`plgpu.emit_pipeline_warp_specialized`), warpgroups 0 and 1 each run
+`wgmma` on half of the tile (split along M or N), accumulate in float32
+registers, and store the result through shared memory with TMA.
+
+Kernels drive the core tile by tile from their own schedules, and can hook into
+it: `on_a_tile(k_idx, a_smem)` sees each A tile while it sits in shared memory
+(e.g. to forward it to a peer with no extra HBM read: with delay_release=1
+the core releases each stage one step late, so a copy issued from it has a
+full step to drain), and
+`after_k()` runs in the compute warpgroups once the tile's K loop is done.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import functools
+import itertools
+from typing import Literal
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG_AXIS = "wg"
+NUM_WARPGROUPS = 3  # two compute warpgroups and one TMA (memory) warpgroup
+SMEM_BYTES = 227 * 1024  # H100/H200 dynamic shared memory per block
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+  """Tile configuration of the GEMM core.
+
+  Attributes:
+    tile_m, tile_n: the output tile of one compute warpgroup.
+    tile_k: K step of the pipeline (64 bf16 = one 128-byte swizzle row).
+    stages: depth of the shared-memory ring.
+    wg_split: how the two compute warpgroups share a CTA tile: "n" puts them
+      side by side ([tile_m, 2 * tile_n]), "m" stacks them ([2 * tile_m, tile_n]).
+    epi_tile_m, epi_tile_n: the epilogue's store granule.
+  """
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  wg_split: Literal["m", "n"] = "n"
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+
+  @property
+  def cta_m(self) -> int:
+    return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+  @property
+  def cta_n(self) -> int:
+    return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+  def smem_bytes(self, itemsize: int) -> int:
+    ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * itemsize
+    epilogue = 2 * 2 * self.epi_tile_m * self.epi_tile_n * itemsize
+    return ring + epilogue
+
+  def unsupported_reason(self, m: int, k: int, n: int, itemsize: int) -> str | None:
+    """None if these tiles can compute an [m, k] @ [k, n] product, else why not."""
+    if self.wg_split not in ("m", "n"):
+      return f"wg_split must be 'm' or 'n', got {self.wg_split!r}."
+    if self.tile_m % 64 or self.tile_n % 8 or self.tile_k * itemsize % 128:
+      return (f"tiles (tile_m={self.tile_m}, tile_n={self.tile_n}, tile_k={self.tile_k})"
+              " need tile_m % 64 == 0, tile_n % 8 == 0 and 128-byte K rows.")
+    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+      return "the epilogue tile must divide the warpgroup tile."
+    for name, size, tile in (("M", m, self.cta_m), ("N", n, self.cta_n), ("K", k, self.tile_k)):
+      if size % tile:
+        return f"{name} = {size} is not a multiple of the tile size {tile}."
+    if self.stages < 2:
+      return f"stages must be >= 2, got {self.stages}."
+    if (need := self.smem_bytes(itemsize)) > SMEM_BYTES:
+      return f"the tiles need {need} bytes of shared memory, more than {SMEM_BYTES}."
+    return None
+
+
+def _smem_transforms(minor_elems: int, dtype) -> tuple:
+  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+  return (
+      plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+      plgpu.SwizzleTransform(swizzle),
+  )
+
+
+class TileMatmul:
+  """Runs [cta_m, K] @ [K, cta_n] tiles inside a kernel with a "wg" thread axis.
+
+  Use `scratch()` once per kernel (inside `pl.run_scoped(..., collective_axes=
+  "wg")`) and call `__call__` for each tile from all three warpgroups.
+  """
+
+  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype, *,
+               delay_release: int = 0):
+    """delay_release=1 keeps each A/B stage one step longer (for `on_a_tile`
+    copies to drain) and one wgmma in flight."""
+    self.tiles = tiles
+    self.delay_release = delay_release
+    self.k_steps = k // tiles.tile_k
+    self.dtype = jnp.dtype(dtype)
+    self.out_dtype = jnp.dtype(out_dtype)
+
+  def _pipeline(self, body, compute_context):
+    t = self.tiles
+    spec = functools.partial(
+        plgpu.BlockSpec,
+        transforms=_smem_transforms(t.tile_k, self.dtype),
+        memory_space=plgpu.SMEM,
+        delay_release=self.delay_release,
+    )
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(self.k_steps,),
+        memory_registers=40,
+        in_specs=[
+            spec((t.cta_m, t.tile_k), lambda kk: (0, kk)),
+            spec((t.tile_k, t.cta_n), lambda kk: (kk, 0)),
+        ],
+        wg_axis=WG_AXIS,
+        num_compute_wgs=2,
+        max_concurrent_steps=t.stages,
+        compute_context=compute_context,
+    )
+
+  def scratch(self, a_gmem, b_gmem) -> dict:
+    """Shared-memory allocations, as keyword arguments for `pl.run_scoped`."""
+    t = self.tiles
+    ignore = lambda *_, **__: None
+    return dict(
+        pipeline=self._pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        out_smem=plgpu.SMEM(
+            (2, 2, t.epi_tile_m, t.epi_tile_n), self.out_dtype,
+            transforms=_smem_transforms(t.epi_tile_n, self.out_dtype),
+        ),
+    )
+
+  def __call__(
+      self,
+      scratch: dict,
+      a_rows,
+      b_cols,
+      out_tile,
+      on_a_tile: Callable | None = None,
+      after_k: Callable | None = None,
+  ) -> None:
+    """Computes out_tile = a_rows @ b_cols.
+
+    Args:
+      scratch: what `scratch()` allocated.
+      a_rows: [cta_m, K] GMEM ref. b_cols: [K, cta_n] GMEM ref.
+      out_tile: [cta_m, cta_n] GMEM ref.
+      on_a_tile: called as on_a_tile(k_idx, a_smem) by both compute
+        warpgroups after issuing each step's wgmma; a_smem is [cta_m, tile_k].
+      after_k: called by both compute warpgroups after the last K step, before
+        the epilogue.
+    """
+    t = self.tiles
+    wg = lax.axis_index(WG_AXIS)
+    if t.wg_split == "m":
+      wg_rows, wg_cols = pl.ds(wg * t.tile_m, t.tile_m), slice(None)
+    else:
+      wg_rows, wg_cols = slice(None), pl.ds(wg * t.tile_n, t.tile_n)
+
+    def mma(idxs, a_smem, b_smem, acc):
+      plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+      if on_a_tile is not None:
+        on_a_tile(idxs[0], a_smem)
+      plgpu.wgmma_wait(self.delay_release)
+      return acc
+
+    def compute_context(run_k_loop):
+      @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+      def _(acc):
+        run_k_loop(acc)
+        if after_k is not None:
+          after_k()
+        self._epilogue(acc[...].astype(self.out_dtype),
+                       out_tile.at[wg_rows, wg_cols], scratch["out_smem"].at[wg])
+
+    self._pipeline(mma, compute_context)(a_rows, b_cols, allocations=scratch["pipeline"])
+
+  def _epilogue(self, result, out_ref, smem) -> None:
+    """Stores one warpgroup's tile through two alternating SMEM granules."""
+    t = self.tiles
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    granules = itertools.product(range(t.tile_m // t.epi_tile_m), range(t.tile_n // t.epi_tile_n))
+    for i, (gm, gn) in enumerate(granules):
+      rows = slice(gm * t.epi_tile_m, (gm + 1) * t.epi_tile_m)
+      cols = slice(gn * t.epi_tile_n, (gn + 1) * t.epi_tile_n)
+      slot = i % 2
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      smem[slot] = result[rows, cols]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(smem.at[slot], out_ref.at[rows, cols])
+
+
+def launch(body, *, out_type, num_sms: int, interpret=None):
+  """`plgpu.kernel` with the core's thread layout: a persistent grid "sm" of
+  `num_sms` blocks of three warpgroups."""
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=NUM_WARPGROUPS,
+      thread_name=WG_AXIS,
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret,
+  )
+
+
+def final_wait() -> None:
+  """Every TMA store of this thread has landed before the kernel exits."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
