@@ -34,7 +34,9 @@ class Problem:
 
 
 def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
-  return p.config or kernel.default_config(p.m_shard, p.k, p.n_shard, p.dtype)
+  return p.config or kernel.default_config(
+      p.m_shard, p.k, p.n_shard, p.dtype, axis_size=p.axis_size,
+      num_sms=platform.num_sms())
 
 
 def _pallas_support(p: Problem) -> str | None:

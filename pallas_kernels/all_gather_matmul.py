@@ -6,14 +6,15 @@ returns out = all_gather(x) @ w, [D * M_shard, N_shard], and the gathered x,
 
 Schedule. Output tiles are numbered step-major: step 0 is this device's own
 rows (no data to wait for), step s > 0 the rows of device (me + s) % D. Within a
-step tiles run M-fastest, so the tiles of output column 0 come first: the
-blocks that compute them load every A tile of the local shard in the first
-wave, and while each sits in shared memory for `wgmma` they also TMA-store it
-into every peer's receive buffer (no extra HBM read). When such a block has
-finished a row chunk's K loop it waits for its stores and raises the
-receiver's semaphore for (source, chunk). A tile of a remote step waits only
-for its own chunk's semaphore: per-chunk dataflow, no global barrier. Local
-tiles never wait, so the forwarding can never deadlock.
+step tiles run M-fastest, so the tiles of output column 0 come first. The
+local rows reach the peers' receive buffers in one of two ways (config.send):
+"forward" TMA-stores each A tile of the local shard to the peers while it
+sits in shared memory for the column-0 tiles' `wgmma` (no extra HBM read) and
+signals a row chunk when its K loop ends; "push" has every block copy a few
+pieces of the shard to the peers before its first tile and signal them. A
+tile of a remote step waits only for its own (source, chunk) semaphore:
+per-chunk dataflow, no global barrier. Neither sender ever waits for a peer,
+so the exchange cannot deadlock.
 
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,
@@ -33,6 +34,7 @@ JAX's own Hopper matmul shows too.)
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -47,22 +49,47 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 @dataclasses.dataclass(frozen=True)
 class AllGatherMatmulConfig:
-  """Tiles of the fused all-gather + matmul kernel (see gemm_core.GemmTiles).
+  """Tiles and send design of the fused all-gather + matmul kernel.
 
-  The row chunk that is forwarded and signalled as a unit is the CTA tile's
-  row count, `tiles.cta_m`.
+  Attributes:
+    tiles: the GEMM core's tiles (see gemm_core.GemmTiles). The row chunk that
+      is signalled as a unit is the CTA tile's row count, `tiles.cta_m`.
+    send: how this device's rows reach its peers.
+      "forward": each A tile of the local shard is TMA-stored to the peers
+        while it sits in shared memory for the local GEMM (no extra HBM read;
+        a chunk is signalled when its local tile's K loop ends). Best when the
+        local tiles take a wave or more, so remote tiles never wait.
+      "push": before any GEMM tile, warpgroup 0 of every block copies pieces
+        [cta_m, push_cols] of the local shard HBM -> SMEM -> peers, spread over
+        all blocks, then signals them. The shard is at the peers after about
+        its NVLink transfer time; best when all tiles fit in one wave (small
+        M), where "forward" would make remote tiles wait a whole K loop.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
+  send: Literal["forward", "push"] = "forward"
+
+  def push_cols(self, k: int) -> int:
+    """Columns of one pushed piece: the widest TMA box (<= 256) dividing K."""
+    return next(c for c in (256, 128, 64) if k % c == 0)
 
 
-def default_config(m_shard: int, k: int, n_shard: int, dtype) -> AllGatherMatmulConfig:
-  """A config that fits the shape, or the default one if none does."""
+def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
+                   num_sms: int) -> AllGatherMatmulConfig:
+  """A config that fits the shape (the default one if none does).
+
+  Tiles: the largest CTA tile that divides the shape. Send: "push" when the
+  output tiles take at most two waves of `num_sms` blocks (measured on 2x
+  H200: push 96 vs forward 214 us at 128x8192x7168 per shard, 209 vs 232 at
+  512x8192x7168, equal at 1024x4096x4096), else "forward" (1375 vs 1509 us at
+  4096x8192x7168); see benchmarks/NOTES.md.
+  """
   itemsize = jnp.dtype(dtype).itemsize
   for tile_m, cta_n in ((128, 256), (64, 256), (128, 128), (64, 128)):
     tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=cta_n // 2, wg_split="n",
                                 epi_tile_n=min(64, cta_n // 2))
     if tiles.unsupported_reason(m_shard, k, n_shard, itemsize) is None:
-      return AllGatherMatmulConfig(tiles)
+      total = axis_size * (m_shard // tiles.cta_m) * (n_shard // tiles.cta_n)
+      return AllGatherMatmulConfig(tiles, "push" if total <= 2 * num_sms else "forward")
   return AllGatherMatmulConfig()
 
 
@@ -73,6 +100,8 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, AllGatherMatmulConfig):
     return f"config must be an AllGatherMatmulConfig, got {type(config).__name__}."
+  if config.send not in ("forward", "push"):
+    return f"config.send must be 'forward' or 'push', got {config.send!r}."
   return config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
 
 
@@ -111,8 +140,13 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   m_chunks = m_shard // tiles.cta_m
   tiles_per_step = m_chunks * (n // tiles.cta_n)
   grid = min(num_sms, d * tiles_per_step)
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, delay_release=int(exchange))
+  forward_mode = exchange and config.send == "forward"
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, delay_release=int(forward_mode))
   remote = exchange and d > 1
+  push_cols = config.push_cols(k)
+  pieces_per_chunk = k // push_cols
+  # Signals a chunk receives from its source before it is complete.
+  expected = 1 if forward_mode else pieces_per_chunk
 
   def body(x_ref, w_ref, *refs):
     if exchange:
@@ -160,14 +194,55 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
       @pl.when(step == 0)
       def _local():
-        core(scratch, x_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m)], b_cols, out_tile,
-             on_a_tile=forward, after_k=signal_chunk if remote else None)
+        local_rows = x_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m)]
+        if forward_mode:
+          core(scratch, local_rows, b_cols, out_tile,
+               on_a_tile=forward, after_k=signal_chunk if remote else None)
+        else:
+          core(scratch, local_rows, b_cols, out_tile)
 
       @pl.when(step > 0)
       def _remote():
         if remote:
-          pl.semaphore_wait(arrived.at[src, chunk], 1, decrement=False)
+          pl.semaphore_wait(arrived.at[src, chunk], expected, decrement=False)
         core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile)
+
+    def push(stage, loaded):
+      """Warpgroup 0 of block b sends pieces b, b + grid, ... of the shard."""
+      block = lax.axis_index("sm")
+      n_pieces = m_chunks * pieces_per_chunk
+
+      def piece_slices(p):
+        chunk, kp = p // pieces_per_chunk, p % pieces_per_chunk
+        cols = pl.ds(kp * push_cols, push_cols)
+        return chunk, pl.ds(chunk * tiles.cta_m, tiles.cta_m), cols
+
+      @pl.when(wg == 0)
+      def _():
+        @pl.loop(block, n_pieces, step=grid)
+        def _(p):
+          _, rows, cols = piece_slices(p)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # stage free again
+          plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], stage, loaded)
+          plgpu.barrier_wait(loaded)
+          dst = pl.ds(me * m_shard + rows.start, tiles.cta_m)
+          for offset in range(1, d):
+            peer = {axis_name: lax.rem(me + offset, d)}
+            plgpu.copy_smem_to_gmem(stage, plgpu.remote_ref(gathered_ref, peer).at[dst, cols])
+          plgpu.copy_smem_to_gmem(stage, gathered_ref.at[dst, cols])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+        @pl.loop(block, n_pieces, step=grid)
+        def _(p):
+          chunk, _, _ = piece_slices(p)
+          for offset in range(1, d):
+            pl.semaphore_signal(arrived.at[me, chunk], 1,
+                                device_id={axis_name: lax.rem(me + offset, d)})
+
+    if exchange and not forward_mode:
+      pl.run_scoped(push, plgpu.SMEM((tiles.cta_m, push_cols), x.dtype),
+                    plgpu.Barrier(num_arrivals=1), collective_axes=gemm_core.WG_AXIS)
 
     @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
                        **core.scratch(x_ref, w_ref))
