@@ -1,0 +1,126 @@
+"""All-gather + matmul: jax_overlap beside what a user would run instead.
+
+    python -m benchmarks.all_gather_matmul [--shapes=...] [--impls=...]
+
+Per device (axis "x" over all local devices, size D): x [M_shard, K] and
+w [K, N_shard], bf16 -> all_gather(x) @ w, [D * M_shard, N_shard].
+
+Cases:
+  ours      pallas (where `explain` picks it), xla_bsp, xla_ring (a ppermute
+            ring: it stands for the ring baseline too).
+  baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
+            windowed_einsum: a global-view jitted dot that XLA's partitioner
+            turns into its collective matmul (own process, GPU only).
+            jax_collective_matmul: JAX's Mosaic GPU kernel, tuned (Hopper only).
+  floor     gemm_alone: jnp.dot on the already-gathered x,
+            [D * M_shard, K] @ [K, N_shard] per device.
+            pallas_core: our kernel with the exchange removed, on the same
+            already-gathered x, with the config the fused run uses (Hopper).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from pallas_kernels import all_gather_matmul as ag_kernel
+from pallas_kernels import platform
+from benchmarks import cases
+from benchmarks import jax_collective_matmul
+from benchmarks import runner
+from benchmarks import shapes
+from benchmarks import spmd
+
+AXIS = spmd.AXIS
+X_SPEC = P(AXIS, None)      # x [D * M_shard, K]: rows sharded
+W_SPEC = P(None, AXIS)      # w [K, D * N_shard]: columns sharded
+OUT_SPEC = P(None, AXIS)    # out [D * M_shard, D * N_shard]: columns sharded
+DTYPE = jnp.bfloat16
+
+
+def setup(shape: shapes.AllGatherMatmulShape, mesh) -> cases.Operands:
+  d = mesh.size
+  return cases.random_operands(mesh, (d * shape.m_shard, shape.k), X_SPEC,
+                               (shape.k, d * shape.n_shard), W_SPEC, DTYPE)
+
+
+def _ours_fn(mesh, impl: str):
+  body = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl=impl)
+  return spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC)
+
+
+def reference(inputs: cases.Operands, mesh) -> jax.Array:
+  return _ours_fn(mesh, "xla_bsp")(inputs.x, inputs.w)
+
+
+def _user_bsp(x, w):
+  return jnp.dot(lax.all_gather(x, AXIS, axis=0, tiled=True), w)
+
+
+def _pregathered(mesh, inputs: cases.Operands) -> jax.Array:
+  """x gathered in advance: every device's block is the whole x, [D * M_shard, K]."""
+  return spmd.reshard(lambda x: jnp.tile(x, (mesh.size, 1)), mesh, X_SPEC)(inputs.x)
+
+
+def _gemm_alone(mesh, inputs: cases.Operands) -> runner.Built:
+  return runner.Built(spmd.per_shard(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC),
+                      (_pregathered(mesh, inputs), inputs.w))
+
+
+def _pallas_core(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands) -> runner.Built:
+  cases.require_hopper("our kernel")
+  config = ag_kernel.default_config(shape.m_shard, shape.k, shape.n_shard, DTYPE,
+                                    axis_size=mesh.size, num_sms=platform.num_sms())
+
+  def body(gathered, w):
+    out, _ = ag_kernel.all_gather_matmul(
+        gathered, w, config=config, num_sms=platform.num_sms(),
+        pregathered=ag_kernel.Pregathered(gathered, index=0, size=1))
+    return out
+
+  return runner.Built(spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC),
+                      (_pregathered(mesh, inputs), inputs.w), {"config": repr(config)})
+
+
+def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[runner.Case]:
+  mesh, inputs = ctx.mesh, ctx.inputs
+  args = (inputs.x, inputs.w)
+  shard_mapped = lambda body: runner.Built(
+      spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC), args)
+  explain = lambda impl: jax_overlap.explain_all_gather_matmul(
+      jax.ShapeDtypeStruct((shape.m_shard, shape.k), DTYPE),
+      jax.ShapeDtypeStruct((shape.k, shape.n_shard), DTYPE),
+      axis_size=mesh.size, impl=impl)
+  ours = lambda impl: runner.Built(_ours_fn(mesh, impl), args)
+  return [
+      *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
+      runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
+      cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
+      jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
+      runner.Case("gemm_alone", "floor", lambda: _gemm_alone(mesh, inputs)),
+      runner.Case("pallas_core", "floor", lambda: _pallas_core(shape, mesh, inputs)),
+  ]
+
+
+OP = runner.OpSpec(
+    name="all_gather_matmul",
+    module="benchmarks.all_gather_matmul",
+    shape_type=shapes.AllGatherMatmulShape,
+    dtype=DTYPE,
+    gpu_shapes=shapes.ALL_GATHER_MATMUL,
+    cpu_shapes=shapes.CPU_ALL_GATHER_MATMUL,
+    setup=setup,
+    reference=reference,
+    cases=make_cases,
+    throughput=runner.tflops,
+    throughput_unit="TFLOP/s",
+    speedup_base="user_bsp",
+    compute_floor="gemm_alone",
+    isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
+)
+
+if __name__ == "__main__":
+  runner.run(OP)

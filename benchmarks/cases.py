@@ -1,0 +1,85 @@
+"""Case builders more than one op benchmark uses."""
+
+from collections.abc import Callable
+import dataclasses
+import os
+
+import jax
+
+from benchmarks import harness
+from benchmarks import runner
+from benchmarks import spmd
+from pallas_kernels import platform
+
+# XLA's collective matmul: the SPMD partitioner turns an all-gather or
+# reduce-scatter next to a dot into a loop of ppermutes and partial dots, on
+# several streams. Its flags are process-wide, hence a process of its own.
+WINDOWED_EINSUM = "windowed_einsum"
+WINDOWED_EINSUM_FLAGS = (
+    "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+    "--xla_gpu_multi_streamed_windowed_einsum=true",
+)
+
+
+def require_gpu(what: str) -> None:
+  """Raises `runner.Skip` unless the backend is a GPU."""
+  if not harness.cupti_available():
+    raise runner.Skip(f"GPU only: {what}; the backend here is {jax.default_backend()!r}.")
+
+
+def require_hopper(what: str) -> None:
+  """Raises `runner.Skip` unless the devices are Hopper GPUs."""
+  reason = platform.hopper_unavailable_reason()
+  if reason is not None:
+    raise runner.Skip(f"{what}: {reason}")
+
+
+def ours(impl: str, explain: Callable[[str], object], build: Callable[[str], runner.Built]
+         ) -> runner.Case:
+  """A jax_overlap impl; "pallas" runs only where `explain("auto")` picks it.
+
+  Args:
+    impl: "pallas", "xla_bsp" or "xla_ring".
+    explain: impl -> the op's `dispatch.Choice` for this shape.
+    build: impl -> the case, calling the per-shard op with `impl=impl`.
+  """
+  def make() -> runner.Built:
+    if impl == "pallas":
+      choice = explain("auto")
+      if choice.impl != "pallas":
+        raise runner.Skip(dict(choice.rejected).get("pallas", str(choice)))
+    built = build(impl)
+    return dataclasses.replace(built, info={**built.info, "explain": str(explain(impl))})
+  return runner.Case(impl, "ours", make)
+
+
+def windowed_einsum(body, mesh, in_specs, out_spec, args) -> runner.Case:
+  """XLA's windowed-einsum collective matmul of the global-view `body(*args)`.
+
+  The arguments carry the shardings `in_specs`; the output gets `out_spec`.
+  Runs only in a process whose XLA_FLAGS hold `WINDOWED_EINSUM_FLAGS`
+  (`runner` starts one on GPUs).
+  """
+  def make() -> runner.Built:
+    require_gpu("XLA's windowed einsum is a GPU compiler pass")
+    missing = [f for f in WINDOWED_EINSUM_FLAGS if f not in os.environ.get("XLA_FLAGS", "")]
+    if missing:
+      raise runner.Skip(f"needs XLA_FLAGS {' '.join(missing)} in its own process"
+                        f" (--only={WINDOWED_EINSUM}).")
+    return runner.Built(spmd.global_view(body, mesh, in_specs, out_spec), args,
+                        {"xla_flags": WINDOWED_EINSUM_FLAGS})
+  return runner.Case(WINDOWED_EINSUM, "baseline", make)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """The global operands of a matmul op, placed with their shardings."""
+  x: jax.Array
+  w: jax.Array
+
+
+def random_operands(mesh, x_shape, x_spec, w_shape, w_spec, dtype) -> Operands:
+  """N(0, 1) operands of global shapes `x_shape`, `w_shape`, generated in place."""
+  kx, kw = jax.random.split(jax.random.key(0))
+  return Operands(spmd.random_normal(kx, x_shape, dtype, mesh, x_spec),
+                  spmd.random_normal(kw, w_shape, dtype, mesh, w_spec))

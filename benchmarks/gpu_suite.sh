@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU tests and every benchmark on one multi-GPU machine, from the repo root:
+#
+#   bash benchmarks/gpu_suite.sh            # results in ./bench_out
+#   OUT=/tmp/run1 ITERATIONS=20 TUNE_BUDGET_S=300 bash benchmarks/gpu_suite.sh
+#
+# Each step's log goes to $OUT/<step>.log. Benchmark JSON (named by device and
+# D, e.g. h200x2_all_gather_matmul.json) goes to $OUT and is copied under
+# benchmarks/results/. A failing step is recorded and the next one still runs;
+# the script exits non-zero if any step failed.
+#
+# Time bounds: ITERATIONS (calls per figure, default 50), TUNE_BUDGET_S (total
+# seconds for sweeping JAX's collective matmul configs when none are cached,
+# default 600), TEST_TIMEOUT_S (per test, default 300), STEP_TIMEOUT_S (per
+# step, default 2400: a hung kernel ends its step, not the suite).
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-./bench_out}"
+ITERATIONS="${ITERATIONS:-50}"
+TUNE_BUDGET_S="${TUNE_BUDGET_S:-600}"
+TEST_TIMEOUT_S="${TEST_TIMEOUT_S:-300}"
+STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-2400}"
+mkdir -p "$OUT" benchmarks/results
+
+failed=()
+
+step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
+  local name="$1"; shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  timeout -k 30 "$STEP_TIMEOUT_S" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    failed+=("$name (timed out after $STEP_TIMEOUT_S s)")
+  elif [ "$rc" -ne 0 ]; then
+    failed+=("$name (exit $rc)")
+  fi
+}
+
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
+python3 -c "import jax; print(jax.__version__, jax.devices())" > "$OUT/jax.txt" 2>&1
+
+step gpu_tests python3 -m pytest -m gpu tests -q --timeout="$TEST_TIMEOUT_S"
+
+step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" \
+    --iterations="$ITERATIONS" --tune_budget_s="$TUNE_BUDGET_S"
+for bench in matmul_reduce_scatter flash_decode; do
+  step "$bench" python3 -m "benchmarks.$bench" --out_dir="$OUT" --iterations="$ITERATIONS"
+done
+
+for json in "$OUT"/*.json; do
+  [ -e "$json" ] && cp "$json" benchmarks/results/
+done
+cp "$OUT"/*.png benchmarks/results/ 2>/dev/null || true
+
+if [ "${#failed[@]}" -ne 0 ]; then
+  echo "FAILED steps: ${failed[*]}"
+  exit 1
+fi
+echo "All steps passed. Results: $OUT (JSON copied to benchmarks/results/)"

@@ -1,0 +1,233 @@
+"""The one timing harness every op and baseline goes through.
+
+Two figures per function, both per call and per device:
+
+- CUPTI device time: `jax.experimental.mosaic.gpu.profiler.measure` records
+  every kernel that runs on every device during N calls. One call's time is
+  the sum of its kernels on all devices divided by D; the figure is the median
+  over the N calls. Kernels that run concurrently on one device (several
+  streams) are all counted, so for multi-stream programs this sums more than
+  the wall time. GPU only (None elsewhere).
+- Back-to-back dispatch: N calls issued without blocking, one block on the
+  last result, wall time / N; the best of a few repetitions. It includes the
+  launch gaps and stream syncs a model step really pays.
+
+Never time with `lax.fori_loop` or `optimization_barrier` (see PLATFORM.md:
+they both add and remove work).
+
+Floors: the least time the op's work can take on one H100/H200-class device,
+from FLOPs, HBM bytes and NVLink bytes (per direction) at the peaks below.
+A figure under its floor, or a dispatch figure under the CUPTI figure, means
+the measurement is wrong (or, for dispatch < CUPTI, that kernels overlapped on
+several streams): `suspicions` names them.
+"""
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+PEAK_FLOPS = 790e12     # dense bf16 tensor-core rate reached by a tuned GEMM
+PEAK_HBM = 4.3e12       # bytes/s
+PEAK_NVLINK = 450e9     # bytes/s per direction per device
+
+DISPATCH_REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel launch seen by CUPTI, on any device."""
+  name: str
+  us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Per-call, per-device figures of one function (microseconds).
+
+  cupti_us: median over the calls of (sum of kernel times on all devices) / D;
+    None where CUPTI is unavailable (CPU).
+  cupti_mean_us: all kernel time of all calls / (calls * D); None likewise.
+  cupti_mode: how the calls were profiled: N calls in one CUPTI session, or
+    one call per session where the profiler could not split N calls apart.
+  dispatch_us: best over repetitions of (wall time of N unblocked calls) / N.
+  kernels: every kernel of one call on every device, in CUPTI's order.
+  """
+  cupti_us: float | None
+  cupti_mean_us: float | None
+  cupti_mode: str | None
+  dispatch_us: float
+  kernels: tuple[Kernel, ...]
+  iterations: int
+  devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+  """Least time of one call on one device, per resource (microseconds)."""
+  flops: int
+  hbm_bytes: int
+  nvlink_bytes: int
+
+  @classmethod
+  def of(cls, shape, d: int, itemsize: int) -> "Floor":
+    """The floor of `shape`'s op at axis size d: `shape` has flops(d),
+    hbm_bytes(d, itemsize) and nvlink_bytes(d, itemsize) (benchmarks.shapes)."""
+    return cls(shape.flops(d), shape.hbm_bytes(d, itemsize), shape.nvlink_bytes(d, itemsize))
+
+  @property
+  def compute_us(self) -> float:
+    return self.flops / PEAK_FLOPS * 1e6
+
+  @property
+  def hbm_us(self) -> float:
+    return self.hbm_bytes / PEAK_HBM * 1e6
+
+  @property
+  def nvlink_us(self) -> float:
+    return self.nvlink_bytes / PEAK_NVLINK * 1e6
+
+  @property
+  def us(self) -> float:
+    return max(self.compute_us, self.hbm_us, self.nvlink_us)
+
+  @property
+  def bound(self) -> str:
+    """The resource that sets the floor."""
+    figures = {"compute": self.compute_us, "hbm": self.hbm_us, "nvlink": self.nvlink_us}
+    return max(figures, key=figures.get)
+
+
+def cupti_available() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def _cupti_calls(fn, args, iterations: int) -> tuple[list[list[tuple[str, float]]], str]:
+  """Per-call kernel lists [(name, ms)] of `iterations` calls, all devices,
+  and how they were taken."""
+  from jax.experimental.mosaic.gpu import profiler  # GPU only.
+  try:
+    _, timings = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+  except RuntimeError as e:
+    # The profiler splits the record list into equal per-call runs and wants
+    # the same kernel names in the same order in each; kernels finishing in a
+    # different order from call to call (several streams or devices) break that.
+    if iterations == 1 or "iterations" not in str(e):
+      raise
+    return [_cupti_calls(fn, args, 1)[0][0] for _ in range(iterations)], "one call per profile"
+  if timings is None:
+    raise RuntimeError("CUPTI saw no kernel launch: nothing ran on the GPU.")
+  # A single iteration comes back as one flat list, not a list of lists.
+  return ([timings] if iterations == 1 else timings), f"{iterations} calls in one profile"
+
+
+def _per_device_us(call: list[tuple[str, float]], devices: int) -> float:
+  return sum(ms for _, ms in call) * 1e3 / devices
+
+
+def cupti_us(fn, args, *, iterations: int, devices: int) -> float:
+  """Median per-device CUPTI time of one call of jitted `fn` (µs). GPU only."""
+  calls, _ = _cupti_calls(fn, args, iterations)
+  return statistics.median(_per_device_us(call, devices) for call in calls)
+
+
+def dispatch_us(fn, args, *, iterations: int, repeats: int = DISPATCH_REPEATS) -> float:
+  """Best over `repeats` of the wall time of `iterations` unblocked calls / N (µs)."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(iterations):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    best = min(best, (time.perf_counter() - start) / iterations)
+  return best * 1e6
+
+
+def measure(fn, args, *, iterations: int) -> Timing:
+  """Both figures for jitted `fn(*args)`, run on every device of its mesh.
+
+  Args:
+    fn: a `jax.jit`-wrapped function (its compiled form is reused).
+    args: its arguments, already placed with their shardings.
+    iterations: N, the calls per figure.
+  """
+  devices = len(jax.tree.leaves(args)[0].sharding.device_set)
+  dispatch = dispatch_us(fn, args, iterations=iterations)
+  if not cupti_available():
+    return Timing(None, None, None, dispatch, (), iterations, devices)
+  calls, mode = _cupti_calls(fn, args, iterations)
+  per_call = [_per_device_us(call, devices) for call in calls]
+  # CUPTI does not say which device ran a kernel, and with several devices the
+  # flat record list need not be ordered call by call; a separate single call
+  # gives an exact list of what one call runs everywhere.
+  (one_call,), _ = _cupti_calls(fn, args, 1)
+  return Timing(
+      cupti_us=statistics.median(per_call),
+      cupti_mean_us=sum(per_call) / len(per_call),
+      cupti_mode=mode,
+      dispatch_us=dispatch,
+      kernels=tuple(Kernel(name, ms * 1e3) for name, ms in one_call),
+      iterations=iterations,
+      devices=devices,
+  )
+
+
+def suspicions(timing: Timing, floor: Floor) -> tuple[str, ...]:
+  """What in `timing` cannot be right given `floor` (empty if nothing)."""
+  found = []
+  if timing.cupti_us is not None and timing.cupti_us < floor.us:
+    found.append("HARNESS BUG? cupti<floor")
+  if timing.dispatch_us < floor.us:
+    found.append("HARNESS BUG? dispatch<floor")
+  if timing.cupti_us is not None and timing.dispatch_us < timing.cupti_us:
+    found.append("HARNESS BUG? dispatch<cupti")
+  return tuple(found)
+
+
+@jax.jit
+def _max_abs_diff(a, b):
+  return jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+
+
+@jax.jit
+def _max_abs(a):
+  return jnp.max(jnp.abs(a.astype(jnp.float32)))
+
+
+def max_rel_error(out: jax.Array, ref: jax.Array) -> float:
+  """max over devices of max|out - ref| on that device's shard, / max|ref|.
+
+  Every device's copy is compared, replicated outputs included. `out` and
+  `ref` must have the same shape and sharding; the differences are computed
+  on the devices.
+
+  Raises:
+    ValueError: shapes or shard placement differ.
+  """
+  if out.shape != ref.shape:
+    raise ValueError(f"output shape {out.shape} != reference shape {ref.shape}")
+  ref_shards = {s.device: s for s in ref.addressable_shards}
+  scale = float(_max_abs(ref))
+  worst = 0.0
+  for shard in out.addressable_shards:
+    ref_shard = ref_shards.get(shard.device)
+    if ref_shard is None or ref_shard.index != shard.index:
+      raise ValueError(
+          f"output shard on {shard.device} holds {shard.index}, reference"
+          f" holds {None if ref_shard is None else ref_shard.index}: compare"
+          " outputs with the same sharding.")
+    worst = max(worst, float(_max_abs_diff(shard.data, ref_shard.data)))
+  return worst / scale if scale > 0 else worst
+
+
+def kernel_summary(kernels: tuple[Kernel, ...]) -> list[tuple[str, int, float]]:
+  """(name, launches, total µs over all devices), largest total first."""
+  totals: dict[str, list] = {}
+  for k in kernels:
+    entry = totals.setdefault(k.name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += k.us
+  return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda e: -e[2])

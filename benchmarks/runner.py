@@ -1,0 +1,289 @@
+"""The driver shared by the op benchmarks: flags, cases, records, subprocesses.
+
+An op benchmark is an `OpSpec`: its shapes, how to make inputs and the BSP
+reference, its floor, and for each shape a list of `Case`s (our impls,
+baselines, compute floors). `run(op)` runs every selected case of every shape
+side by side in one process on one mesh, checks each output against the
+reference, times it with `benchmarks.harness`, and hands the records to
+`benchmarks.report`.
+
+A case whose XLA flags differ from the parent's (e.g. XLA's windowed einsum)
+runs in a child process, `python -m <op module> --only=<case>`, started
+before this process touches the GPUs; its records are read back from JSON.
+A case that cannot run here raises `Skip`; one that fails is recorded with its
+error. Neither stops the run.
+"""
+
+from collections.abc import Callable, Mapping
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from benchmarks import harness
+from benchmarks import report
+from benchmarks import spmd
+
+_SHAPES = flags.DEFINE_string(
+    "shapes", "",
+    "Comma-separated shapes (e.g. 1024x4096x4096 or b8_hq64_hkv8_dh128_s8192);"
+    " 'gpu' or 'cpu' for a named set; empty: the GPU set on GPUs, else the CPU set.")
+_ITERATIONS = flags.DEFINE_integer(
+    "iterations", 0, "Calls per timing figure; 0: 50 on GPUs, 10 elsewhere.")
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", "benchmarks/results",
+    "Directory for <device>x<D>_<op>.json (and .png with matplotlib).")
+_IMPLS = flags.DEFINE_list("impls", [], "Cases to run (default: all).")
+_ONLY = flags.DEFINE_string(
+    "only", "", "Run just this case, in this process (how isolated cases run).")
+_ISOLATED_TIMEOUT_S = flags.DEFINE_integer(
+    "isolated_timeout_s", 1800, "Time limit of each child process.")
+
+TOLERANCE = 2e-2  # bf16: max |out - ref| / max |ref|
+
+
+class Skip(Exception):
+  """A case cannot run here; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+  """A ready case: a jitted function, its placed arguments, facts for the JSON."""
+  fn: Callable
+  args: tuple
+  info: Mapping = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One thing to time for one shape.
+
+  role: "ours" (jax_overlap), "baseline" (what a user would run instead) or
+    "floor" (the compute alone, not the op).
+  build: returns the `Built` case; raises `Skip` if it cannot run here.
+  checked: whether its output is the op's output, to compare with the reference.
+  """
+  name: str
+  role: str
+  build: Callable[[], Built]
+  checked: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What case builders may use: the mesh, this shape's inputs and reference,
+  and how many shapes remain (this one included), to share a time budget."""
+  mesh: jax.sharding.Mesh
+  inputs: object
+  reference: jax.Array
+  shapes_left: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+  """One op benchmark.
+
+  setup(shape, mesh) -> inputs; reference(inputs, mesh) -> the BSP output (the
+  same sharding as every checked case's output); cases(shape, ctx) -> Cases;
+  throughput(shape, d, us) -> the rate in `throughput_unit`. The floor comes
+  from the shape's costs (`harness.Floor.of`) at `dtype`. `speedup_base` and `compute_floor` name the cases the
+  table divides by. `isolated` maps case names to the XLA flags they need in
+  their own process.
+  """
+  name: str
+  module: str
+  shape_type: type
+  dtype: object
+  gpu_shapes: tuple
+  cpu_shapes: tuple
+  setup: Callable
+  reference: Callable
+  cases: Callable
+  throughput: Callable
+  throughput_unit: str
+  speedup_base: str
+  compute_floor: str
+  isolated: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """The outcome of one case at one shape. status: "ok", "skipped", "failed"."""
+  impl: str
+  role: str
+  shape: str
+  status: str
+  floor: harness.Floor
+  reason: str = ""
+  timing: harness.Timing | None = None
+  rel_error: float | None = None
+  throughput_cupti: float | None = None
+  throughput_dispatch: float | None = None
+  warnings: tuple[str, ...] = ()
+  info: Mapping = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Record":
+    names = {f.name for f in dataclasses.fields(cls)}
+    d = {k: v for k, v in d.items() if k in names}
+    d["floor"] = harness.Floor(**d["floor"])
+    if d["timing"] is not None:
+      t = dict(d["timing"])
+      t["kernels"] = tuple(harness.Kernel(**k) for k in t["kernels"])
+      d["timing"] = harness.Timing(**t)
+    d["warnings"] = tuple(d["warnings"])
+    return cls(**d)
+
+
+def _parse_shapes(op: OpSpec, on_gpu: bool) -> tuple:
+  text = _SHAPES.value.strip()
+  if text in ("", "gpu", "cpu"):
+    use_gpu = on_gpu if not text else text == "gpu"
+    return op.gpu_shapes if use_gpu else op.cpu_shapes
+  fields = len(dataclasses.fields(op.shape_type))
+  shapes = []
+  for item in text.split(","):
+    numbers = [int(n) for n in re.findall(r"\d+", item)]
+    if len(numbers) != fields:
+      raise app.UsageError(
+          f"--shapes item {item!r}: {op.shape_type.__name__} takes {fields}"
+          f" numbers, e.g. {op.gpu_shapes[0]}.")
+    shapes.append(op.shape_type(*numbers))
+  return tuple(shapes)
+
+
+def _selected(name: str) -> bool:
+  if _ONLY.value:
+    return name == _ONLY.value
+  return not _IMPLS.value or name in _IMPLS.value
+
+
+def _check_names(cases: list[Case]) -> None:
+  names = [c.name for c in cases]
+  unknown = [n for n in [*_IMPLS.value, *filter(None, [_ONLY.value])] if n not in names]
+  if unknown:
+    raise app.UsageError(f"unknown case(s) {unknown}; this benchmark has {names}.")
+
+
+def _run_case(case: Case, shape, op: OpSpec, d: int, floor: harness.Floor,
+              reference, iterations: int) -> Record:
+  base = dict(impl=case.name, role=case.role, shape=str(shape), floor=floor)
+  try:
+    built = case.build()
+  except Skip as e:
+    return Record(status="skipped", reason=str(e), **base)
+  except Exception as e:  # pylint: disable=broad-except
+    return Record(status="failed", reason=_error_text("build", e), **base)
+  try:
+    out = jax.block_until_ready(built.fn(*built.args))
+    rel_error = harness.max_rel_error(out, reference) if case.checked else None
+    del out
+    timing = harness.measure(built.fn, built.args, iterations=iterations)
+  except Exception as e:  # pylint: disable=broad-except
+    return Record(status="failed", reason=_error_text("run", e), info=built.info, **base)
+  warnings = harness.suspicions(timing, floor)
+  if rel_error is not None and not rel_error <= TOLERANCE:
+    warnings += (f"MISMATCH err {rel_error:.1e} > {TOLERANCE:.0e}",)
+  rate = lambda us: None if us is None else op.throughput(shape, d, us)
+  return Record(
+      status="ok", timing=timing, rel_error=rel_error,
+      throughput_cupti=rate(timing.cupti_us),
+      throughput_dispatch=rate(timing.dispatch_us),
+      warnings=warnings, info=built.info, **base)
+
+
+def _error_text(stage: str, e: Exception) -> str:
+  last = traceback.format_exception(e)[-3:]
+  return f"{stage}: {type(e).__name__}: {str(e)[:500]} | {''.join(last)[-800:]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChildRun:
+  """Records of isolated cases from a child process, or why there are none."""
+  records: Mapping[tuple[str, str], Record]
+  error: str = ""
+
+
+def _run_isolated(op: OpSpec, name: str, xla_flags: tuple[str, ...]) -> _ChildRun:
+  """Runs `--only=name` in a child process with `xla_flags` added."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
+  with tempfile.TemporaryDirectory() as tmp:
+    argv = [sys.executable, "-m", op.module, f"--only={name}", f"--out_dir={tmp}",
+            f"--shapes={_SHAPES.value}", f"--iterations={_ITERATIONS.value}"]
+    print(f"--- {name}: child process with XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
+    try:
+      proc = subprocess.run(argv, env=env, timeout=_ISOLATED_TIMEOUT_S.value)
+    except subprocess.TimeoutExpired:
+      return _ChildRun({}, f"child process ran past {_ISOLATED_TIMEOUT_S.value} s")
+    print(f"--- {name}: child process exited with {proc.returncode}", flush=True)
+    outputs = list(pathlib.Path(tmp).glob(f"*_{op.name}.json"))
+    if not outputs:
+      return _ChildRun({}, f"child process exited with {proc.returncode} and wrote no JSON")
+    data = json.loads(outputs[0].read_text())
+  records = {(r["impl"], r["shape"]): Record.from_dict(r) for r in data["records"]}
+  return _ChildRun(records)
+
+
+def _main(op: OpSpec) -> None:
+  children = {}
+  if not _ONLY.value and spmd.cuda_backend_possible():
+    # Before this process starts its backend: XLA would otherwise hold most
+    # of the GPU memory while the child runs.
+    children = {name: _run_isolated(op, name, flags_)
+                for name, flags_ in op.isolated.items() if _selected(name)}
+  mesh = spmd.mesh()
+  d = mesh.size
+  on_gpu = harness.cupti_available()
+  shapes = _parse_shapes(op, on_gpu)
+  iterations = _ITERATIONS.value or (50 if on_gpu else 10)
+  records = []
+  for index, shape in enumerate(shapes):
+    print(f"=== {op.name} {shape} on {spmd.device_tag(mesh)}", flush=True)
+    floor = harness.Floor.of(shape, d, np.dtype(op.dtype).itemsize)
+    try:
+      inputs = op.setup(shape, mesh)
+      reference = jax.block_until_ready(op.reference(inputs, mesh))
+    except Exception as e:  # pylint: disable=broad-except
+      records.append(Record("(inputs and reference)", "-", str(shape), "failed", floor,
+                            reason=_error_text("setup", e)))
+      continue
+    ctx = Context(mesh, inputs, reference, len(shapes) - index)
+    shape_cases = op.cases(shape, ctx)
+    _check_names(shape_cases)
+    for case in shape_cases:
+      if not _selected(case.name):
+        continue
+      child = children.get(case.name)
+      if child is None:
+        record = _run_case(case, shape, op, d, floor, reference, iterations)
+      elif (case.name, str(shape)) in child.records:
+        record = child.records[(case.name, str(shape))]
+      else:
+        record = Record(case.name, case.role, str(shape), "failed", floor,
+                        reason=child.error or "the child process did not run this shape")
+      print(f"  {record.impl}: {record.status} {report.one_line(record)}", flush=True)
+      records.append(record)
+    del inputs, reference, ctx
+  report.emit(op, mesh, iterations, records, pathlib.Path(_OUT_DIR.value),
+              chart=not _ONLY.value)
+
+
+def tflops(shape, d: int, us: float) -> float:
+  """TFLOP/s per device of one call of `shape` (benchmarks.shapes) taking `us`."""
+  return shape.flops(d) / us / 1e6
+
+
+def run(op: OpSpec) -> None:
+  """Entry point of an op benchmark module (`python -m benchmarks.<op>`)."""
+  app.run(lambda argv: _main(op))
