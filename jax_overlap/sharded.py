@@ -112,6 +112,7 @@ def sharded_matmul_reduce_scatter(x, w, *, axis_name, mesh=None, batch_axes=(),
   _validate.check_rank("w", w, 2, "[K, N]")
   _check_split("x", "the row count M", x.shape[0], mesh, (*batch_axes, axis_name))
   _check_split("x", "the contraction size K", x.shape[1], mesh, (axis_name,))
+  _check_split("w", "the contraction size K (rows)", w.shape[0], mesh, (axis_name,))
   body = functools.partial(matmul_reduce_scatter, axis_name=axis_name, impl=impl, config=config)
   return _shard_map(
       body, mesh,
@@ -135,8 +136,10 @@ def sharded_flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
   mesh, batch_axes = _mesh_and_axes(mesh, axis_name, batch_axes)
   _validate.check_rank("q", q, 3, "[B, Hq, Dh]")
   _validate.check_rank("k", k, 4, "[B, S, Hkv, Dh]")
+  _validate.check_rank("v", v, 4, "[B, S, Hkv, Dh]")
   _check_split("q", "the batch size B", q.shape[0], mesh, batch_axes)
   _check_split("k", "the sequence length S", k.shape[1], mesh, (axis_name,))
+  _check_split("v", "the sequence length S", v.shape[1], mesh, (axis_name,))
   batch = _spec_entry(batch_axes)
   kv_spec = P(batch, axis_name, None, None)
 

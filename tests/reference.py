@@ -1,0 +1,87 @@
+"""Float64 NumPy references (global view) and dtype tolerances.
+
+Written from the ops' documented semantics only; nothing here imports
+jax_overlap, so a shared bug cannot hide itself.
+"""
+
+import math
+
+import numpy as np
+
+# Allowed error, relative to the largest magnitude of the expected output.
+# The XLA paths accumulate in float32 and round once to the output dtype, so
+# the real error is about one ulp of the dtype (bf16 4e-3, fp16 5e-4, fp32
+# 1e-7 with accumulation noise); these bounds leave ~5x headroom and still
+# reject a permuted row block, a device's missing contribution or a length
+# mask off by one position (see test_reference.py).
+_RTOL = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-5}
+
+
+def _f64(x) -> np.ndarray:
+  return np.asarray(x).astype(np.float64)
+
+
+def matmul(x, w) -> np.ndarray:
+  """`x @ w` in float64: the global view of both all_gather_matmul
+  (x's rows gathered) and matmul_reduce_scatter (K-partials summed)."""
+  return _f64(x) @ _f64(w)
+
+
+def flash_decode(q, k, v, kv_lens=None, scale=None) -> np.ndarray:
+  """Decode attention over the whole KV cache, in float64.
+
+  Args:
+    q: [B, Hq, Dh].
+    k, v: [B, S, Hkv, Dh]; query head h reads KV head h // (Hq // Hkv).
+    kv_lens: [B] valid lengths (positions >= kv_lens[b] are ignored), or None
+      for all S positions.
+    scale: softmax scale; None means 1 / sqrt(Dh).
+
+  Returns:
+    [B, Hq, Dh] float64; zeros for a sequence of length 0.
+  """
+  q, k, v = _f64(q), _f64(k), _f64(v)
+  b, hq, dh = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  group = hq // hkv
+  scale = 1.0 / math.sqrt(dh) if scale is None else scale
+  lens = np.full(b, s) if kv_lens is None else np.minimum(np.asarray(kv_lens), s)
+  out = np.zeros((b, hq, dh))
+  for i in range(b):
+    n = int(lens[i])
+    if n <= 0:
+      continue
+    for h in range(hq):
+      keys, values = k[i, :n, h // group], v[i, :n, h // group]
+      scores = keys @ q[i, h] * scale
+      p = np.exp(scores - scores.max())
+      out[i, h] = (p / p.sum()) @ values
+  return out
+
+
+def rtol(dtype) -> float:
+  """Allowed error of `dtype` outputs, as a fraction of the output's scale."""
+  return _RTOL[np.dtype(dtype).name]
+
+
+def assert_close(actual, expected, dtype, what: str = "output") -> None:
+  """Every element of `actual` is within rtol(dtype) * max|expected| of `expected`.
+
+  Args:
+    actual: the op's output (any array; compared in float64).
+    expected: the float64 reference, same shape.
+    dtype: the dtype the op computed in, which sets the tolerance.
+    what: names the compared quantity in the failure message.
+  """
+  actual, expected = _f64(actual), _f64(expected)
+  assert actual.shape == expected.shape, (
+      f"{what}: shape {actual.shape}, expected {expected.shape}")
+  scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-30)
+  bound = rtol(dtype) * scale
+  err = np.abs(actual - expected)
+  worst = np.unravel_index(np.argmax(err), err.shape) if err.size else ()
+  assert np.all(err <= bound), (
+      f"{what}: max error {err.max():.3g} at index {worst} exceeds"
+      f" {bound:.3g} (= {rtol(dtype):g} x scale {scale:.3g}, dtype"
+      f" {np.dtype(dtype).name}); {np.sum(err > bound)} of {err.size} elements off."
+  )

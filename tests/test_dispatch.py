@@ -1,0 +1,132 @@
+"""Which implementation runs, and why: explain_* and the DEBUG log."""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+import testkit
+from benchmarks import shapes
+from testkit import AXIS
+
+BF16 = jnp.bfloat16
+
+
+def S(*shape, dtype=BF16):
+  """An abstract array argument."""
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _agm_args(shape, d):
+  """Per-shard operands of all_gather_matmul for a benchmark shape."""
+  del d
+  return S(shape.m_shard, shape.k), S(shape.k, shape.n_shard)
+
+
+def _mrs_args(shape, d):
+  """Per-shard operands of matmul_reduce_scatter for a benchmark shape."""
+  del d
+  return S(shape.m, shape.k_shard), S(shape.k_shard, shape.n)
+
+
+def _fd_args(shape, d):
+  """Per-shard operands of flash_decode for a benchmark shape: q, k, v."""
+  kv = S(shape.b, shape.s_total // d, shape.hkv, shape.dh)
+  return S(shape.b, shape.hq, shape.dh), kv, kv
+
+
+# (op name, explain function, per-shard operands, benchmark shapes)
+OPS = [
+    ("all_gather_matmul", jax_overlap.explain_all_gather_matmul, _agm_args,
+     shapes.ALL_GATHER_MATMUL),
+    ("matmul_reduce_scatter", jax_overlap.explain_matmul_reduce_scatter, _mrs_args,
+     shapes.MATMUL_REDUCE_SCATTER),
+    ("flash_decode", jax_overlap.explain_flash_decode, _fd_args, shapes.FLASH_DECODE),
+]
+OP_IDS = [op[0] for op in OPS]
+
+
+@pytest.mark.parametrize("d", [2, 8])
+@pytest.mark.parametrize("op,explain,args,cases", OPS, ids=OP_IDS)
+def test_auto_on_cpu_picks_xla_bsp_and_says_why_not_pallas(op, explain, args, cases, d):
+  for shape in cases:
+    choice = explain(*args(shape, d), axis_size=d)
+    assert isinstance(choice, jax_overlap.Choice)
+    assert (choice.op, choice.requested, choice.impl) == (op, "auto", "xla_bsp"), shape
+    [(rejected, reason)] = choice.rejected
+    assert rejected == "pallas"
+    assert "Hopper" in reason and "'cpu'" in reason
+    assert f"{op}: impl='auto' -> xla_bsp; pallas rejected: {reason}" == str(choice)
+
+
+@pytest.mark.parametrize("impl", ["xla_bsp", "xla_ring"])
+@pytest.mark.parametrize("op,explain,args,cases", OPS[:2], ids=OP_IDS[:2])
+def test_named_xla_impl_is_taken_as_is(op, explain, args, cases, impl):
+  choice = explain(*args(cases[0], 4), axis_size=4, impl=impl)
+  assert choice == jax_overlap.Choice(op, impl, impl, ())
+
+
+def test_explain_takes_kv_lens_for_flash_decode():
+  q, k, v = _fd_args(shapes.FLASH_DECODE[0], 8)
+  choice = jax_overlap.explain_flash_decode(q, k, v, S(8, dtype=jnp.int32), axis_size=8,
+                                            impl="xla_bsp")
+  assert choice == jax_overlap.Choice("flash_decode", "xla_bsp", "xla_bsp", ())
+
+
+def _trace_per_shard(op, *args, **kwargs):
+  """Traces `op` inside shard_map over a 4-device mesh (no compile, no run)."""
+  body = functools.partial(op, axis_name=AXIS, **kwargs)
+  mesh = testkit.mesh_1d(4, AxisType.Auto)
+  jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(),
+                               check_vma=False), *args)
+
+
+_AGM = (jax_overlap.all_gather_matmul, jax_overlap.explain_all_gather_matmul,
+        (S(3, 5), S(5, 7)))
+_MRS = (jax_overlap.matmul_reduce_scatter, jax_overlap.explain_matmul_reduce_scatter,
+        (S(8, 5), S(5, 7)))
+_FD = (jax_overlap.flash_decode, jax_overlap.explain_flash_decode,
+       (S(2, 4, 8), S(2, 3, 2, 8), S(2, 3, 2, 8)))
+
+
+@pytest.mark.parametrize("op,explain,args,impl,runs", [
+    (*_AGM, "auto", "xla_bsp"),
+    (*_AGM, "xla_ring", "xla_ring"),
+    (*_MRS, "auto", "xla_bsp"),
+    (*_MRS, "xla_ring", "xla_ring"),
+    (*_FD, "auto", "xla_bsp"),
+    (*_FD, "xla_bsp", "xla_bsp"),
+], ids=["agm-auto", "agm-ring", "mrs-auto", "mrs-ring", "fd-auto", "fd-bsp"])
+def test_tracing_logs_the_choice_at_debug(caplog, op, explain, args, impl, runs):
+  expected = explain(*args, axis_size=4, impl=impl)
+  assert expected.impl == runs
+  caplog.set_level(logging.DEBUG, logger="jax_overlap")
+  caplog.clear()
+  _trace_per_shard(op, *args, impl=impl)
+  [record] = [r for r in caplog.records if r.name == "jax_overlap"]
+  assert record.levelno == logging.DEBUG
+  assert record.getMessage() == str(expected)
+
+
+def test_every_trace_logs(caplog):
+  """Two traces with different shapes log two choices."""
+  expected = str(jax_overlap.explain_all_gather_matmul(S(3, 5), S(5, 7), axis_size=4))
+  caplog.set_level(logging.DEBUG, logger="jax_overlap")
+  caplog.clear()
+  _trace_per_shard(jax_overlap.all_gather_matmul, S(3, 5), S(5, 7))
+  _trace_per_shard(jax_overlap.all_gather_matmul, S(2, 5), S(5, 7))
+  assert [r.getMessage() for r in caplog.records if r.name == "jax_overlap"] == [expected] * 2
+
+
+@pytest.mark.gpu
+def test_on_hopper_pallas_is_not_rejected_for_the_platform():
+  """On 2+ Hopper GPUs the platform check passes: whatever rejects pallas (if
+  anything) is not the lack of Hopper."""
+  shape = shapes.ALL_GATHER_MATMUL[0]
+  choice = jax_overlap.explain_all_gather_matmul(*_agm_args(shape, 2), axis_size=2)
+  assert all("compute capability 9.0" not in reason for _, reason in choice.rejected)
