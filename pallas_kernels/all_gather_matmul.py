@@ -151,7 +151,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   def body(x_ref, w_ref, *refs):
     if exchange:
       out_ref, gathered_ref = refs
-      me = lax.axis_index(axis_name)
+      # With one device there is no peer: asking for the axis index would make
+      # this a collective kernel, which a one-device mesh cannot launch.
+      me = lax.axis_index(axis_name) if d > 1 else 0
     else:
       gathered_ref, out_ref = refs
       me = pregathered.index

@@ -1,0 +1,383 @@
+"""The fused all-gather + matmul kernel's compute path, on CPU.
+
+`pallas_kernels.all_gather_matmul` runs through the Mosaic GPU interpreter
+with the exchange replaced by `Pregathered` (the interpreter cannot run
+semaphores or remote refs, and asserts spuriously when two devices interpret
+at once; see the kernel module's docstring): one device, outside shard_map,
+computes the whole [D * M_shard, N] output of device `index` of `D` with the
+real tile schedule, tile placement, GEMM core and epilogue. Also: the
+kernel's support checks and `default_config`.
+
+Interpreting is slow (~1-3 s per call), so the cases below are a covering
+set, not a product.
+"""
+
+import functools
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks import shapes
+from pallas_kernels import all_gather_matmul as agm
+from pallas_kernels import gemm_core
+
+BF16, F16 = jnp.bfloat16, jnp.float16
+N = 256
+
+
+
+def _dtype_id(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def _rng(*key) -> np.random.Generator:
+  """A generator seeded from `key`: each case its own data, every run the same."""
+  return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+# Unit roundoff of each output dtype (half its machine epsilon).
+_UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+@pytest.fixture
+def interpreter():
+  """Interpreter params; afterwards, reset the interpreter's global state
+  (needed after an interpreter error, harmless otherwise), so that one failing
+  case cannot break the cases after it."""
+  yield plgpu.InterpretGPUParams
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _config(tile_n: int, wg_split: str, send: str = "forward") -> agm.AllGatherMatmulConfig:
+  return agm.AllGatherMatmulConfig(gemm_core.GemmTiles(
+      tile_m=64, tile_n=tile_n, tile_k=64, stages=2, wg_split=wg_split,
+      epi_tile_m=64, epi_tile_n=64), send=send)
+
+
+def _tile_count(d: int, m_shard: int, config: agm.AllGatherMatmulConfig) -> int:
+  t = config.tiles
+  return d * (m_shard // t.cta_m) * (N // t.cta_n)
+
+
+def assert_matmul_close(out, gathered, w, dtype) -> None:
+  """out == gathered @ w up to what a float32-accumulated, `dtype`-rounded
+  matmul may differ from the exact (float64) product, per element:
+
+    |out - ref| <= 2 * (u * |ref| + K * 2^-24 * (|gathered| @ |w|)) + 2^-24
+
+  u * |ref| is the output's final rounding (u = unit roundoff of dtype),
+  K * 2^-24 * (|g| @ |w|) bounds float32 summation of K exact products, the
+  factor 2 is slack and 2^-24 covers fp16 subnormals. A wrong, missing or
+  stale tile, or a dropped K step, is off by O(1).
+  """
+  out64 = np.asarray(out).astype(np.float64)
+  g64 = np.asarray(gathered).astype(np.float64)
+  w64 = np.asarray(w).astype(np.float64)
+  ref = g64 @ w64
+  assert out64.shape == ref.shape, (out64.shape, ref.shape)
+  assert np.all(np.isfinite(out64)), (
+      f"{np.sum(~np.isfinite(out64))} non-finite outputs (tiles never written?)"
+      f" at rows {sorted(set(np.nonzero(~np.isfinite(out64))[0].tolist()))[:8]}...")
+  u = _UNIT_ROUNDOFF[np.dtype(dtype).name]
+  k = g64.shape[1]
+  bound = 2 * (u * np.abs(ref) + k * 2.0**-24 * (np.abs(g64) @ np.abs(w64))) + 2.0**-24
+  err = np.abs(out64 - ref)
+  bad = err > bound
+  if np.any(bad):
+    rows, cols = np.nonzero(bad)
+    i = np.argmax(err - bound)
+    r, c = np.unravel_index(i, err.shape)
+    raise AssertionError(
+        f"{bad.sum()} of {err.size} elements off; worst at ({r}, {c}): got"
+        f" {out64[r, c]:.6g}, expected {ref[r, c]:.6g} (bound {bound[r, c]:.3g});"
+        f" bad rows {sorted(set(rows.tolist()))[:16]}, bad cols"
+        f" {sorted(set(cols.tolist()))[:16]}")
+
+
+# (D, index, wg_split, tile_n, dtype, M_shard, K, num_sms). Every device index
+# of D = 1, 2, 3 with both warpgroup splits; bf16 and fp16; M_shard 128 and 192
+# (192: three row chunks; wg_split "m" has 128-row CTA tiles, so only 128);
+# K 128 (2 K steps = stages) and 192 (3 steps: the ring wraps); CTA tiles
+# 64x128, 64x256, 128x64, 128x128, i.e. 1 to 4 tiles along N. num_sms is
+# below the tile count and does not divide it, except: 1 (one block does
+# every tile) and 132 (more blocks than tiles: the grid is clamped).
+CASES = [
+    (1, 0, "n", 64, BF16, 128, 128, 3),
+    (1, 0, "m", 128, F16, 128, 192, 1),
+    (2, 0, "n", 128, F16, 192, 128, 4),
+    (2, 1, "n", 64, BF16, 128, 192, 3),
+    (2, 0, "m", 64, BF16, 128, 128, 5),
+    (2, 1, "m", 128, F16, 128, 192, 132),
+    (3, 0, "n", 64, F16, 192, 192, 4),
+    (3, 1, "n", 128, BF16, 128, 128, 4),
+    (3, 2, "n", 64, BF16, 192, 128, 5),
+    (3, 0, "m", 64, BF16, 128, 192, 5),
+    (3, 1, "m", 128, F16, 128, 128, 4),
+    (3, 2, "m", 64, F16, 128, 192, 7),
+]
+
+
+def _case_id(case):
+  d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = case
+  return (f"D{d}-dev{index}-split_{wg_split}-tn{tile_n}-{_dtype_id(dtype)}"
+          f"-{m_shard}x{k}x{N}-sms{num_sms}")
+
+
+def _inputs(d: int, m_shard: int, k: int, dtype, *key):
+  """gathered [d * m_shard, K] (every device's rows) and w [K, N], rounded to
+  dtype; w scaled by 1/sqrt(K) so the outputs are O(1)."""
+  rng = _rng(d, m_shard, k, *key)
+  gathered = rng.standard_normal((d * m_shard, k)).astype(dtype)
+  w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(dtype)
+  return gathered, w
+
+
+def _run(interpret, gathered, w, index, d, config, num_sms):
+  m_shard = gathered.shape[0] // d
+  x = gathered[index * m_shard:(index + 1) * m_shard]
+  pregathered = agm.Pregathered(jnp.asarray(gathered), index, d)
+  return agm.all_gather_matmul(jnp.asarray(x), jnp.asarray(w), config=config,
+                               num_sms=num_sms, pregathered=pregathered,
+                               interpret=interpret)
+
+
+def test_cases_cover_what_they_claim():
+  """Guards the case table: every (D, index) with both splits, both dtypes,
+  and num_sms that leaves blocks doing several tiles unevenly."""
+  pairs = {(d, i, s) for d, i, s, *_ in CASES}
+  assert pairs == {(d, i, s) for d in (1, 2, 3) for i in range(d) for s in "nm"}
+  assert {c[4] for c in CASES} == {BF16, F16}
+  uneven = 0
+  for d, _, wg_split, tile_n, dtype, m_shard, k, num_sms in CASES:
+    config = _config(tile_n, wg_split)
+    assert agm.unsupported_reason(m_shard, k, N, dtype, config) is None
+    tiles = _tile_count(d, m_shard, config)
+    uneven += 1 < num_sms < tiles and tiles % num_sms != 0
+  assert uneven >= 8
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernel_matches_float64_reference(case, interpreter):
+  d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = case
+  # The send design only changes the exchange, which Pregathered replaces:
+  # both must take the same compute path.
+  send = ("forward", "push")[CASES.index(case) % 2]
+  config = _config(tile_n, wg_split, send)
+  gathered, w = _inputs(d, m_shard, k, dtype, index, wg_split, tile_n, num_sms)
+  out, gathered_out = _run(interpreter(), gathered, w, index, d, config, num_sms)
+  assert out.shape == (d * m_shard, N) and out.dtype == dtype
+  assert_matmul_close(out, gathered, w, dtype)
+  np.testing.assert_array_equal(np.asarray(gathered_out), gathered)
+
+
+@pytest.mark.timeout(120)
+def test_no_data_races_in_the_pipeline(interpreter):
+  """The interpreter's race detector sees no unordered SMEM/GMEM accesses
+  (TMA ring reuse with 3 K steps over 2 stages, blocks doing 3 tiles each,
+  double-buffered epilogue)."""
+  d, index, m_shard, k, num_sms = 2, 1, 192, 192, 2
+  config = _config(64, "n")
+  assert _tile_count(d, m_shard, config) == 12
+  gathered, w = _inputs(d, m_shard, k, BF16, "races")
+  out, _ = _run(interpreter(detect_races=True), gathered, w, index, d, config, num_sms)
+  assert_matmul_close(out, gathered, w, BF16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
+# --- the GEMM core under the "forward" send's hook ----------------------------
+#
+# The exchange cannot run in the interpreter, but what the "forward" send does
+# to the GEMM core can: with delay_release=1, `on_a_tile` TMA-stores each A
+# tile of a column-0 tile from its pipeline stage (to the peers and to the
+# device's own gathered x) and waits only for the previous step's stores,
+# relying on the stage being released one step late. Here that hook stores to
+# a second output on one device, and the race detector checks the ordering.
+
+
+def _forwarding_gemm(x, w, tiles, drain, interpret):
+  """(x @ w, the A tiles the hook stored): the forward send's hook on one device.
+
+  drain: outstanding store groups the hook leaves after each step. The kernel's
+  `forward` issues d stores per step and waits down to d, i.e. for the
+  previous step's stores (drain=1 here, one store per step); drain=0 waits
+  for the current step's stores too.
+  """
+  m, k = x.shape
+  n = w.shape[1]
+  m_chunks = m // tiles.cta_m
+  n_tiles = m_chunks * (n // tiles.cta_n)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, delay_release=1)
+
+  def body(x_ref, w_ref, out_ref, copy_ref):
+    wg = lax.axis_index(gemm_core.WG_AXIS)
+
+    def tile(scratch, lin):
+      chunk, n_idx = lin % m_chunks, lin // m_chunks
+      rows = pl.ds(chunk * tiles.cta_m, tiles.cta_m)
+      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+
+      def forward(k_idx, a_smem):
+        @pl.when((wg == 0) & (n_idx == 0))
+        def _():
+          plgpu.copy_smem_to_gmem(
+              a_smem, copy_ref.at[rows, pl.ds(k_idx * tiles.tile_k, tiles.tile_k)])
+          plgpu.wait_smem_to_gmem(drain, wait_read_only=True)
+
+      core(scratch, x_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
+           on_a_tile=forward)
+
+    @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
+                       **core.scratch(x_ref, w_ref))
+    def _(**scratch):
+      @plgpu.nd_loop((n_tiles,), collective_axes="sm")
+      def _(info):
+        tile(scratch, info.index[0])
+    gemm_core.final_wait()
+
+  out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
+  # One block: it runs a forwarding tile (n_idx 0), then a tile of column 1.
+  return gemm_core.launch(body, out_type=out_type, num_sms=1,
+                          interpret=interpret)(jnp.asarray(x), jnp.asarray(w))
+
+
+def _check_forwarding_gemm(interpreter, drain):
+  tiles = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
+  rng = _rng("forward-hook", drain)
+  x = rng.standard_normal((128, 192)).astype(BF16)  # 2 row chunks, 3 K steps
+  w = (rng.standard_normal((192, 256)) / np.sqrt(192)).astype(BF16)  # 2 columns
+  out, copied = _forwarding_gemm(x, w, tiles, drain, interpreter(detect_races=True))
+  assert_matmul_close(out, x, w, BF16)
+  np.testing.assert_array_equal(np.asarray(copied), x)
+  return interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.timeout(120)
+def test_forward_hook_draining_every_step_is_race_free(interpreter):
+  """Control: with each step's stores awaited, the detector finds nothing
+  (so the failure below is not a false positive)."""
+  assert not _check_forwarding_gemm(interpreter, drain=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason=(
+    "kernel bug (send='forward'): with delay_release=1 the pipeline never"
+    " releases the last K step's stage, and the memory warpgroup starts the next"
+    " tile's prologue TMA loads without waiting for it, so they can overwrite"
+    " the stage while the last A tile's forward stores are still reading it"
+    " (the race detector reports a write by warpgroup 2 against the read by the"
+    " store from warpgroup 0). On GPU: a peer may receive the next tile's data"
+    " for the last [cta_m, tile_k] piece of a chunk."))
+def test_forward_hook_as_the_kernel_uses_it_is_race_free(interpreter):
+  assert not _check_forwarding_gemm(interpreter, drain=1)
+
+
+# --- unsupported_reason and default_config --------------------------------
+
+_DEFAULT = agm.AllGatherMatmulConfig()  # 128 x 256 CTA tiles, tile_k 64
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.float64])
+def test_unsupported_dtype_is_rejected(dtype):
+  reason = agm.unsupported_reason(1024, 4096, 4096, dtype, _DEFAULT)
+  assert reason is not None
+  assert "bf16 and fp16" in reason and jnp.dtype(dtype).name in reason
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_supported_dtypes_are_accepted(dtype):
+  assert agm.unsupported_reason(1024, 4096, 4096, dtype, _DEFAULT) is None
+
+
+@pytest.mark.parametrize("dim,m,k,n,tile", [
+    ("M", 192, 4096, 4096, 128),   # cta_m = 128
+    ("M", 100, 4096, 4096, 128),
+    ("N", 1024, 4096, 4224, 256),  # cta_n = 2 * 128
+    ("N", 1024, 4096, 128, 256),
+    ("K", 1024, 4000, 4096, 64),   # tile_k = 64
+    ("K", 1024, 96, 4096, 64),
+])
+def test_non_divisible_shape_is_rejected_naming_the_dimension(dim, m, k, n, tile):
+  reason = agm.unsupported_reason(m, k, n, BF16, _DEFAULT)
+  size = {"M": m, "N": n, "K": k}[dim]
+  assert reason == f"{dim} = {size} is not a multiple of the tile size {tile}."
+
+
+def test_wg_split_m_divides_m_by_the_stacked_tile():
+  config = _config(64, "m")  # 128 x 64 CTA tiles
+  assert agm.unsupported_reason(192, 128, 256, BF16, config) == (
+      "M = 192 is not a multiple of the tile size 128.")
+  assert agm.unsupported_reason(256, 128, 64, BF16, config) is None
+
+
+@pytest.mark.parametrize("tiles", [
+    gemm_core.GemmTiles(tile_m=128, tile_n=128, stages=5),             # 240 KiB ring
+    gemm_core.GemmTiles(tile_m=256, tile_n=128, stages=4),             # 256 KiB ring
+    gemm_core.GemmTiles(tile_m=64, tile_n=256, wg_split="m", stages=8),
+], ids=["stages5", "tile_m256", "split_m-stages8"])
+def test_too_much_shared_memory_is_rejected(tiles):
+  assert tiles.smem_bytes(2) > gemm_core.SMEM_BYTES
+  reason = agm.unsupported_reason(1024, 4096, 4096, BF16, agm.AllGatherMatmulConfig(tiles))
+  assert reason is not None
+  assert "shared memory" in reason and str(tiles.smem_bytes(2)) in reason
+
+
+def test_other_config_types_are_rejected():
+  reason = agm.unsupported_reason(1024, 4096, 4096, BF16, gemm_core.GemmTiles())
+  assert reason == "config must be an AllGatherMatmulConfig, got GemmTiles."
+
+
+def test_unknown_send_design_is_rejected():
+  config = agm.AllGatherMatmulConfig(send="pull")
+  assert agm.unsupported_reason(1024, 4096, 4096, BF16, config) == (
+      "config.send must be 'forward' or 'push', got 'pull'.")
+
+
+@pytest.mark.parametrize("send", ["forward", "push"])
+def test_both_send_designs_are_accepted(send):
+  config = agm.AllGatherMatmulConfig(send=send)
+  assert agm.unsupported_reason(1024, 4096, 4096, BF16, config) is None
+
+
+@pytest.mark.parametrize("k,cols", [(8192, 256), (3072, 256), (4224, 128), (192, 64), (64, 64)])
+def test_push_piece_is_the_widest_tma_box_dividing_k(k, cols):
+  assert agm.AllGatherMatmulConfig().push_cols(k) == cols
+
+
+_DEFAULT_CONFIG_SHAPES = [
+    *((s.m_shard, s.k, s.n_shard) for s in shapes.ALL_GATHER_MATMUL),
+    *((m, k, n) for m, n, k in itertools.product((64, 192, 384), (2560, 7168), (3072, 8192))),
+]
+_NUM_SMS = 132  # H100 SXM and H200
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=_dtype_id)
+@pytest.mark.parametrize("m,k,n", _DEFAULT_CONFIG_SHAPES,
+                         ids=[f"{m}x{k}x{n}" for m, k, n in _DEFAULT_CONFIG_SHAPES])
+def test_default_config_is_supported(m, k, n, dtype):
+  for axis_size in (1, 2, 4, 8):
+    config = agm.default_config(m, k, n, dtype, axis_size=axis_size, num_sms=_NUM_SMS)
+    assert isinstance(config, agm.AllGatherMatmulConfig)
+    assert agm.unsupported_reason(m, k, n, dtype, config) is None, (axis_size, config)
+    assert config.tiles.smem_bytes(jnp.dtype(dtype).itemsize) <= gemm_core.SMEM_BYTES
+    # The documented send heuristic: "push" for at most two waves of tiles.
+    t = config.tiles
+    waves = axis_size * (m // t.cta_m) * (n // t.cta_n) / _NUM_SMS
+    assert config.send == ("push" if waves <= 2 else "forward"), (axis_size, waves, config)
+
+
+def test_default_config_takes_the_largest_fitting_tile():
+  """128 x 256 CTA tiles where they divide the shape, else smaller ones."""
+  pick = lambda m, n: agm.default_config(m, 4096, n, BF16, axis_size=2, num_sms=_NUM_SMS).tiles
+  assert (pick(1024, 4096).cta_m, pick(1024, 4096).cta_n) == (128, 256)
+  assert (pick(192, 4096).cta_m, pick(192, 4096).cta_n) == (64, 256)
+  assert (pick(1024, 2176).cta_m, pick(1024, 2176).cta_n) == (128, 128)
+  assert (pick(192, 2176).cta_m, pick(192, 2176).cta_n) == (64, 128)
