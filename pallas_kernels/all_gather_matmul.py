@@ -10,9 +10,9 @@ step tiles run M-fastest, so the tiles of output column 0 come first. The
 local rows reach the peers' receive buffers in one of two ways (config.send):
 "forward" TMA-stores each A tile of the local shard to the peers while it
 sits in shared memory for the column-0 tiles' `wgmma` (no extra HBM read) and
-signals a row chunk when its K loop ends; "push" has every block copy a few
-pieces of the shard to the peers before its first tile and signal them. A
-tile of a remote step waits only for its own (source, chunk) semaphore:
+signals a row chunk when its K loop ends; "push" has some blocks copy pieces
+of the shard to the peers before their first tile and signal them. A tile of
+a remote step waits only for its own (source, chunk) semaphore:
 per-chunk dataflow, no global barrier. Neither sender ever waits for a peer,
 so the exchange cannot deadlock.
 
@@ -45,6 +45,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import gemm_core
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+# Fewer pushing blocks than this leave NVLink underused (2x H200: 16 tail
+# blocks pushing 8 MB were slower than all 132).
+_MIN_PUSHERS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +62,22 @@ class AllGatherMatmulConfig:
         while it sits in shared memory for the local GEMM (no extra HBM read;
         a chunk is signalled when its local tile's K loop ends). Best when the
         local tiles take a wave or more, so remote tiles never wait.
-      "push": before any GEMM tile, warpgroup 0 of every block copies pieces
-        [cta_m, push_cols] of the local shard HBM -> SMEM -> peers, spread over
-        all blocks, then signals them. The shard is at the peers after about
-        its NVLink transfer time; best when all tiles fit in one wave (small
-        M), where "forward" would make remote tiles wait a whole K loop.
+      "push": before its GEMM tiles, warpgroup 0 of each of the last
+        `pushers` blocks copies pieces [cta_m, push_cols] of the local shard
+        HBM -> SMEM -> peers and signals them; the other blocks start
+        computing at once. The shard is at the peers after about its NVLink
+        transfer time; best when the tiles take one or two waves (small M),
+        where "forward" makes remote tiles wait a whole local K loop.
+    pushers: with "push", how many blocks (the last ones of the grid, which
+      have the fewest or only remote tiles) do the copies; None: all blocks.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "push"] = "forward"
+  pushers: int | None = None
 
   def push_cols(self, k: int) -> int:
-    """Columns of one pushed piece: the widest TMA box (<= 256) dividing K."""
+    """Columns of one pushed piece: the widest TMA box (<= 256) dividing K,
+    a multiple of tiles.tile_k >= 64."""
     return next(c for c in (256, 128, 64) if k % c == 0)
 
 
@@ -77,20 +85,35 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
                    num_sms: int) -> AllGatherMatmulConfig:
   """A config that fits the shape (the default one if none does).
 
-  Tiles: the largest CTA tile that divides the shape. Send: "push" when the
-  output tiles take at most two waves of `num_sms` blocks (measured on 2x
-  H200: push 96 vs forward 214 us at 128x8192x7168 per shard, 209 vs 232 at
-  512x8192x7168, equal at 1024x4096x4096), else "forward" (1375 vs 1509 us at
-  4096x8192x7168); see benchmarks/NOTES.md.
+  Tiles: of the CTA tiles that divide the shape, the one with the least
+  estimated time, waves x tile area, small tiles taxed for their lower wgmma
+  efficiency (at 128x8192x7168 per shard, 128x256 tiles fill 56 of 132 SMs).
+  Send: "forward" when the tiles take more than two waves, else "push" (see
+  benchmarks/NOTES.md for the measurements behind these rules).
   """
   itemsize = jnp.dtype(dtype).itemsize
+  best = None
   for tile_m, cta_n in ((128, 256), (64, 256), (128, 128), (64, 128)):
     tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=cta_n // 2, wg_split="n",
                                 epi_tile_n=min(64, cta_n // 2))
-    if tiles.unsupported_reason(m_shard, k, n_shard, itemsize) is None:
-      total = axis_size * (m_shard // tiles.cta_m) * (n_shard // tiles.cta_n)
-      return AllGatherMatmulConfig(tiles, "push" if total <= 2 * num_sms else "forward")
-  return AllGatherMatmulConfig()
+    if tiles.unsupported_reason(m_shard, k, n_shard, itemsize) is not None:
+      continue
+    per_step = (m_shard // tiles.cta_m) * (n_shard // tiles.cta_n)
+    area = tiles.cta_m * tiles.cta_n
+    cost = -(-axis_size * per_step // num_sms) * area * (1.0 if area >= 128 * 256 else 1.15)
+    if best is None or cost < best[0]:
+      best = (cost, tiles, per_step)
+  if best is None:
+    return AllGatherMatmulConfig()
+  _, tiles, per_step = best
+  total = axis_size * per_step
+  if total > 2 * num_sms:
+    return AllGatherMatmulConfig(tiles, "forward")
+  # One wave: every block pushes (the remote tiles wait for the whole shard,
+  # so the more senders the better). Two waves: the blocks with a tile fewer
+  # push, if there are enough of them to keep NVLink busy.
+  idle = 0 if total <= num_sms else num_sms - total % num_sms
+  return AllGatherMatmulConfig(tiles, "push", idle if idle >= _MIN_PUSHERS else None)
 
 
 def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
@@ -102,6 +125,8 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"config must be an AllGatherMatmulConfig, got {type(config).__name__}."
   if config.send not in ("forward", "push"):
     return f"config.send must be 'forward' or 'push', got {config.send!r}."
+  if config.pushers is not None and config.pushers < 1:
+    return f"config.pushers must be None or >= 1, got {config.pushers}."
   return config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
 
 
@@ -141,7 +166,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   tiles_per_step = m_chunks * (n // tiles.cta_n)
   grid = min(num_sms, d * tiles_per_step)
   forward_mode = exchange and config.send == "forward"
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, delay_release=int(forward_mode))
+  push_mode = exchange and config.send == "push"
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+  pushers = grid if config.pushers is None else min(config.pushers, grid)
   remote = exchange and d > 1
   push_cols = config.push_cols(k)
   pieces_per_chunk = k // push_cols
@@ -178,9 +205,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
             peer = {axis_name: lax.rem(me + offset, d)}
             plgpu.copy_smem_to_gmem(a_smem, plgpu.remote_ref(gathered_ref, peer).at[dst_rows, cols])
           plgpu.copy_smem_to_gmem(a_smem, gathered_ref.at[dst_rows, cols])
-          # Stores of the previous step must be done reading its stage, which
-          # the pipeline releases after this step.
-          plgpu.wait_smem_to_gmem(d, wait_read_only=True)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage is released next
 
       def signal_chunk():
         @pl.when(forwards)
@@ -210,21 +235,20 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile)
 
     def push(stage, loaded):
-      """Warpgroup 0 of block b sends pieces b, b + grid, ... of the shard."""
-      block = lax.axis_index("sm")
-      n_pieces = m_chunks * pieces_per_chunk
+      """Warpgroup 0 of the r-th of the last `pushers` blocks sends pieces
+      r, r + pushers, ... of the shard, waits for them to land, signals them."""
+      rank = lax.axis_index("sm") - (grid - pushers)
 
       def piece_slices(p):
         chunk, kp = p // pieces_per_chunk, p % pieces_per_chunk
-        cols = pl.ds(kp * push_cols, push_cols)
-        return chunk, pl.ds(chunk * tiles.cta_m, tiles.cta_m), cols
+        return chunk, pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(kp * push_cols, push_cols)
 
-      @pl.when(wg == 0)
+      @pl.when((wg == 0) & (rank >= 0))
       def _():
-        @pl.loop(block, n_pieces, step=grid)
+        @pl.loop(rank, m_chunks * pieces_per_chunk, step=pushers)
         def _(p):
           _, rows, cols = piece_slices(p)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # stage free again
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage is free again
           plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], stage, loaded)
           plgpu.barrier_wait(loaded)
           dst = pl.ds(me * m_shard + rows.start, tiles.cta_m)
@@ -235,14 +259,14 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-        @pl.loop(block, n_pieces, step=grid)
+        @pl.loop(rank, m_chunks * pieces_per_chunk, step=pushers)
         def _(p):
           chunk, _, _ = piece_slices(p)
           for offset in range(1, d):
             pl.semaphore_signal(arrived.at[me, chunk], 1,
                                 device_id={axis_name: lax.rem(me + offset, d)})
 
-    if exchange and not forward_mode:
+    if push_mode:
       pl.run_scoped(push, plgpu.SMEM((tiles.cta_m, push_cols), x.dtype),
                     plgpu.Barrier(num_arrivals=1), collective_axes=gemm_core.WG_AXIS)
 

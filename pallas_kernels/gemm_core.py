@@ -8,9 +8,9 @@ registers, and store the result through shared memory with TMA.
 
 Kernels drive the core tile by tile from their own schedules, and can hook into
 it: `on_a_tile(k_idx, a_smem)` sees each A tile while it sits in shared memory
-(e.g. to forward it to a peer with no extra HBM read: with delay_release=1
-the core releases each stage one step late, so a copy issued from it has a
-full step to drain), and
+(e.g. to forward it to a peer with no extra HBM read; a copy issued from it
+must have finished reading it before the hook returns, because the stage is
+released right after), and
 `after_k()` runs in the compute warpgroups once the tile's K loop is done.
 """
 
@@ -97,12 +97,12 @@ class TileMatmul:
   "wg")`) and call `__call__` for each tile from all three warpgroups.
   """
 
-  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype, *,
-               delay_release: int = 0):
-    """delay_release=1 keeps each A/B stage one step longer (for `on_a_tile`
-    copies to drain) and one wgmma in flight."""
+  # Stages are released as soon as a step's wgmma is done. Delaying the
+  # release (BlockSpec.delay_release) is unsafe across tiles: the pipeline
+  # never awaits the last step's delayed release, so the next tile's prologue
+  # can refill that stage while it is still being read.
+  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype):
     self.tiles = tiles
-    self.delay_release = delay_release
     self.k_steps = k // tiles.tile_k
     self.dtype = jnp.dtype(dtype)
     self.out_dtype = jnp.dtype(out_dtype)
@@ -113,7 +113,6 @@ class TileMatmul:
         plgpu.BlockSpec,
         transforms=_smem_transforms(t.tile_k, self.dtype),
         memory_space=plgpu.SMEM,
-        delay_release=self.delay_release,
     )
     return plgpu.emit_pipeline_warp_specialized(
         body,
@@ -158,6 +157,7 @@ class TileMatmul:
       out_tile: [cta_m, cta_n] GMEM ref.
       on_a_tile: called as on_a_tile(k_idx, a_smem) by both compute
         warpgroups after issuing each step's wgmma; a_smem is [cta_m, tile_k].
+        Copies it issues from a_smem must be done reading when it returns.
       after_k: called by both compute warpgroups after the last K step, before
         the epilogue.
     """
@@ -172,7 +172,7 @@ class TileMatmul:
       plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
       if on_a_tile is not None:
         on_a_tile(idxs[0], a_smem)
-      plgpu.wgmma_wait(self.delay_release)
+      plgpu.wgmma_wait(0)
       return acc
 
     def compute_context(run_k_loop):

@@ -196,26 +196,21 @@ def test_no_data_races_in_the_pipeline(interpreter):
 # --- the GEMM core under the "forward" send's hook ----------------------------
 #
 # The exchange cannot run in the interpreter, but what the "forward" send does
-# to the GEMM core can: with delay_release=1, `on_a_tile` TMA-stores each A
-# tile of a column-0 tile from its pipeline stage (to the peers and to the
-# device's own gathered x) and waits only for the previous step's stores,
-# relying on the stage being released one step late. Here that hook stores to
-# a second output on one device, and the race detector checks the ordering.
+# to the GEMM core can: `on_a_tile` TMA-stores each A tile of a column-0 tile
+# from its pipeline stage (to the peers and to the device's own gathered x) and
+# waits until the stores have read the stage, which the pipeline releases right
+# after. Here that hook stores to a second output on one device, and the race
+# detector checks the ordering (an earlier version that released stages one
+# step late raced with the next tile's prologue loads).
 
 
-def _forwarding_gemm(x, w, tiles, drain, interpret):
-  """(x @ w, the A tiles the hook stored): the forward send's hook on one device.
-
-  drain: outstanding store groups the hook leaves after each step. The kernel's
-  `forward` issues d stores per step and waits down to d, i.e. for the
-  previous step's stores (drain=1 here, one store per step); drain=0 waits
-  for the current step's stores too.
-  """
+def _forwarding_gemm(x, w, tiles, interpret):
+  """(x @ w, the A tiles the hook stored): the forward send's hook on one device."""
   m, k = x.shape
   n = w.shape[1]
   m_chunks = m // tiles.cta_m
   n_tiles = m_chunks * (n // tiles.cta_n)
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, delay_release=1)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
 
   def body(x_ref, w_ref, out_ref, copy_ref):
     wg = lax.axis_index(gemm_core.WG_AXIS)
@@ -230,7 +225,7 @@ def _forwarding_gemm(x, w, tiles, drain, interpret):
         def _():
           plgpu.copy_smem_to_gmem(
               a_smem, copy_ref.at[rows, pl.ds(k_idx * tiles.tile_k, tiles.tile_k)])
-          plgpu.wait_smem_to_gmem(drain, wait_read_only=True)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       core(scratch, x_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
            on_a_tile=forward)
@@ -244,40 +239,21 @@ def _forwarding_gemm(x, w, tiles, drain, interpret):
     gemm_core.final_wait()
 
   out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
-  # One block: it runs a forwarding tile (n_idx 0), then a tile of column 1.
+  # One block: it runs the forwarding tiles (n_idx 0), then the tiles of column 1.
   return gemm_core.launch(body, out_type=out_type, num_sms=1,
                           interpret=interpret)(jnp.asarray(x), jnp.asarray(w))
 
 
-def _check_forwarding_gemm(interpreter, drain):
+@pytest.mark.timeout(120)
+def test_forward_hook_is_race_free(interpreter):
   tiles = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
-  rng = _rng("forward-hook", drain)
+  rng = _rng("forward-hook")
   x = rng.standard_normal((128, 192)).astype(BF16)  # 2 row chunks, 3 K steps
   w = (rng.standard_normal((192, 256)) / np.sqrt(192)).astype(BF16)  # 2 columns
-  out, copied = _forwarding_gemm(x, w, tiles, drain, interpreter(detect_races=True))
+  out, copied = _forwarding_gemm(x, w, tiles, interpreter(detect_races=True))
   assert_matmul_close(out, x, w, BF16)
   np.testing.assert_array_equal(np.asarray(copied), x)
-  return interpret_pallas_call.get_races().races_found
-
-
-@pytest.mark.timeout(120)
-def test_forward_hook_draining_every_step_is_race_free(interpreter):
-  """Control: with each step's stores awaited, the detector finds nothing
-  (so the failure below is not a false positive)."""
-  assert not _check_forwarding_gemm(interpreter, drain=0)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason=(
-    "kernel bug (send='forward'): with delay_release=1 the pipeline never"
-    " releases the last K step's stage, and the memory warpgroup starts the next"
-    " tile's prologue TMA loads without waiting for it, so they can overwrite"
-    " the stage while the last A tile's forward stores are still reading it"
-    " (the race detector reports a write by warpgroup 2 against the read by the"
-    " store from warpgroup 0). On GPU: a peer may receive the next tile's data"
-    " for the last [cta_m, tile_k] piece of a chunk."))
-def test_forward_hook_as_the_kernel_uses_it_is_race_free(interpreter):
-  assert not _check_forwarding_gemm(interpreter, drain=1)
+  assert not interpret_pallas_call.get_races().races_found
 
 
 # --- unsupported_reason and default_config --------------------------------
@@ -374,10 +350,14 @@ def test_default_config_is_supported(m, k, n, dtype):
     assert config.send == ("push" if waves <= 2 else "forward"), (axis_size, waves, config)
 
 
-def test_default_config_takes_the_largest_fitting_tile():
-  """128 x 256 CTA tiles where they divide the shape, else smaller ones."""
-  pick = lambda m, n: agm.default_config(m, 4096, n, BF16, axis_size=2, num_sms=_NUM_SMS).tiles
-  assert (pick(1024, 4096).cta_m, pick(1024, 4096).cta_n) == (128, 256)
-  assert (pick(192, 4096).cta_m, pick(192, 4096).cta_n) == (64, 256)
-  assert (pick(1024, 2176).cta_m, pick(1024, 2176).cta_n) == (128, 128)
-  assert (pick(192, 2176).cta_m, pick(192, 2176).cta_n) == (64, 128)
+def test_default_config_tiles_fit_the_shape_and_the_gpu():
+  """128 x 256 CTA tiles when they divide the shape into full waves; smaller
+  ones when N does not divide by 256, or when 128 x 256 tiles would leave most
+  SMs idle (128 rows per shard: 56 tiles for 132 SMs)."""
+  pick = lambda m, k, n: agm.default_config(m, k, n, BF16, axis_size=2, num_sms=_NUM_SMS).tiles
+  assert (pick(1024, 4096, 4096).cta_m, pick(1024, 4096, 4096).cta_n) == (128, 256)
+  assert (pick(4096, 8192, 7168).cta_m, pick(4096, 8192, 7168).cta_n) == (128, 256)
+  assert (pick(192, 4096, 4096).cta_m, pick(192, 4096, 4096).cta_n) == (64, 256)
+  assert pick(1024, 4096, 2176).cta_n == 128
+  small = pick(128, 8192, 7168)
+  assert 2 * (128 // small.cta_m) * (7168 // small.cta_n) > 100
