@@ -7,7 +7,9 @@ w [K, N_shard], bf16 -> all_gather(x) @ w, [D * M_shard, N_shard].
 
 Cases:
   ours      pallas (where `explain` picks it), xla_bsp, xla_ring (a ppermute
-            ring: it stands for the ring baseline too).
+            ring: it stands for the ring baseline too); pallas_forward and
+            pallas_push: the kernel with each send design forced (default
+            tiles), to keep both designs' numbers side by side.
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -18,6 +20,7 @@ Cases:
             already-gathered x, with the config the fused run uses (Hopper).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -47,9 +50,23 @@ def setup(shape: shapes.AllGatherMatmulShape, mesh) -> cases.Operands:
                                (shape.k, d * shape.n_shard), W_SPEC, DTYPE)
 
 
-def _ours_fn(mesh, impl: str):
-  body = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl=impl)
+def _ours_fn(mesh, impl: str, config=None):
+  body = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl=impl,
+                           config=config)
   return spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC)
+
+
+def _default_config(shape: shapes.AllGatherMatmulShape, mesh):
+  return ag_kernel.default_config(shape.m_shard, shape.k, shape.n_shard, DTYPE,
+                                  axis_size=mesh.size, num_sms=platform.num_sms())
+
+
+def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
+                 send: str) -> runner.Built:
+  cases.require_hopper("our kernel")
+  config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=None)
+  return runner.Built(_ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
+                      {"config": repr(config)})
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
@@ -72,8 +89,7 @@ def _gemm_alone(mesh, inputs: cases.Operands) -> runner.Built:
 
 def _pallas_core(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands) -> runner.Built:
   cases.require_hopper("our kernel")
-  config = ag_kernel.default_config(shape.m_shard, shape.k, shape.n_shard, DTYPE,
-                                    axis_size=mesh.size, num_sms=platform.num_sms())
+  config = _default_config(shape, mesh)
 
   def body(gathered, w):
     out, _ = ag_kernel.all_gather_matmul(
@@ -97,6 +113,9 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
   ours = lambda impl: runner.Built(_ours_fn(mesh, impl), args)
   return [
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
+      *(runner.Case(f"pallas_{send}", "ours",
+                    functools.partial(_pallas_send, shape, mesh, inputs, send))
+        for send in ("forward", "push")),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),

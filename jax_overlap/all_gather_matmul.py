@@ -8,13 +8,17 @@ activations arrive sharded along the sequence, the weights column-parallel).
 """
 
 import dataclasses
+import functools
 
+import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap import _validate
 from jax_overlap import dispatch
 from jax_overlap import xla_paths
+from jax_overlap.matmul_reduce_scatter import matmul_reduce_scatter
 from pallas_kernels import all_gather_matmul as kernel
 from pallas_kernels import platform
 
@@ -44,10 +48,56 @@ def _pallas_support(p: Problem) -> str | None:
       p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fused(x, w, axis_name, config):
+  """(out, gathered x) from the fused kernel, differentiable.
+
+  The backward pass is the dual op: dx = reduce-scatter(dout @ w^T) over the
+  axis (`matmul_reduce_scatter`, plus the reduce-scatter of a cotangent of the
+  gathered x), and dw = gathered^T @ dout, using the gathered x the kernel
+  already returns.
+  """
+  return kernel.all_gather_matmul(x, w, axis_name=axis_name, config=config,
+                                  num_sms=platform.num_sms())
+
+
+def _fused_fwd(x, w, axis_name, config):
+  out, gathered = _fused(x, w, axis_name, config)
+  return (out, gathered), (x, gathered, w)
+
+
+def _cotangent_like(ct, primal):
+  """`ct` with the shard_map varying-axes type (vma) of `primal`.
+
+  The kernel's outputs carry no vma, so cotangents built from them may lack
+  an axis the primal varies over (cast), or vary over an axis the primal is
+  replicated on (sum its replicas' contributions).
+  """
+  have = jax.typeof(ct).manual_axis_type.varying
+  want = jax.typeof(primal).manual_axis_type.varying
+  if extra := tuple(sorted(have - want)):
+    ct = lax.psum(ct, extra)
+  if missing := tuple(sorted(want - have)):
+    ct = lax.pcast(ct, missing, to="varying")
+  return ct
+
+
+def _fused_bwd(axis_name, config, residuals, cotangents):
+  del config
+  x, gathered, w = residuals
+  d_out, d_gathered = cotangents
+  dx = matmul_reduce_scatter(d_out, w.T, axis_name=axis_name)
+  dx = dx + lax.psum_scatter(d_gathered, axis_name, scatter_dimension=0,
+                             tiled=True).astype(dx.dtype)
+  dw = jnp.dot(gathered.T, d_out, preferred_element_type=jnp.float32).astype(w.dtype)
+  return _cotangent_like(dx, x), _cotangent_like(dw, w)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
 def _pallas(x, w, axis_name, return_gathered, problem):
-  out, gathered = kernel.all_gather_matmul(
-      x, w, axis_name=axis_name, config=_kernel_config(problem),
-      num_sms=platform.num_sms())
+  out, gathered = _fused(x, w, axis_name, _kernel_config(problem))
   return (out, gathered) if return_gathered else out
 
 

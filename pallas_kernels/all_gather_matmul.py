@@ -9,8 +9,9 @@ rows (no data to wait for), step s > 0 the rows of device (me + s) % D. Within a
 step tiles run M-fastest, so the tiles of output column 0 come first. The
 local rows reach the peers' receive buffers in one of two ways (config.send):
 "forward" TMA-stores each A tile of the local shard to the peers while it
-sits in shared memory for the column-0 tiles' `wgmma` (no extra HBM read) and
-signals a row chunk when its K loop ends; "push" has some blocks copy pieces
+sits in shared memory for the `wgmma` of a first-wave tile of its row chunk
+(no extra HBM read; the chunk's K steps are spread over several such tiles)
+and signals when that tile's K loop ends; "push" has some blocks copy pieces
 of the shard to the peers before their first tile and signal them. A tile of
 a remote step waits only for its own (source, chunk) semaphore:
 per-chunk dataflow, no global barrier. Neither sender ever waits for a peer,
@@ -59,9 +60,10 @@ class AllGatherMatmulConfig:
       is signalled as a unit is the CTA tile's row count, `tiles.cta_m`.
     send: how this device's rows reach its peers.
       "forward": each A tile of the local shard is TMA-stored to the peers
-        while it sits in shared memory for the local GEMM (no extra HBM read;
-        a chunk is signalled when its local tile's K loop ends). Best when the
-        local tiles take a wave or more, so remote tiles never wait.
+        while it sits in shared memory for the local GEMM (no extra HBM read),
+        the K steps of a row chunk spread over its first-wave tiles; each
+        signals when its K loop ends. Best when the tiles take several waves,
+        so remote tiles never wait.
       "push": before its GEMM tiles, warpgroup 0 of each of the last
         `pushers` blocks copies pieces [cta_m, push_cols] of the local shard
         HBM -> SMEM -> peers and signals them; the other blocks start
@@ -88,8 +90,8 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   Tiles: of the CTA tiles that divide the shape, the one with the least
   estimated time, waves x tile area, small tiles taxed for their lower wgmma
   efficiency (at 128x8192x7168 per shard, 128x256 tiles fill 56 of 132 SMs).
-  Send: "forward" when the tiles take more than two waves, else "push" (see
-  benchmarks/NOTES.md for the measurements behind these rules).
+  Send: "push" for one wave, or two waves with many idle blocks; else
+  "forward" (benchmarks/NOTES.md has the measurements behind these rules).
   """
   itemsize = jnp.dtype(dtype).itemsize
   best = None
@@ -111,9 +113,13 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
     return AllGatherMatmulConfig(tiles, "forward")
   # One wave: every block pushes (the remote tiles wait for the whole shard,
   # so the more senders the better). Two waves: the blocks with a tile fewer
-  # push, if there are enough of them to keep NVLink busy.
-  idle = 0 if total <= num_sms else num_sms - total % num_sms
-  return AllGatherMatmulConfig(tiles, "push", idle if idle >= _MIN_PUSHERS else None)
+  # push, if there are enough of them to keep NVLink busy; else forward.
+  if total <= num_sms:
+    return AllGatherMatmulConfig(tiles, "push")
+  idle = num_sms - total % num_sms
+  if idle >= _MIN_PUSHERS:
+    return AllGatherMatmulConfig(tiles, "push", idle)
+  return AllGatherMatmulConfig(tiles, "forward")
 
 
 def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
@@ -172,8 +178,12 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   remote = exchange and d > 1
   push_cols = config.push_cols(k)
   pieces_per_chunk = k // push_cols
+  # Forward mode: chunk c is forwarded by its tiles in columns 0..F-1, column
+  # n taking the K steps k = n mod F, so no tile stalls on all of a chunk's
+  # stores; F is capped so that every forwarding tile is in the first wave.
+  forwarders = min(n // tiles.cta_n, max(1, grid // m_chunks))
   # Signals a chunk receives from its source before it is complete.
-  expected = 1 if forward_mode else pieces_per_chunk
+  expected = forwarders if forward_mode else pieces_per_chunk
 
   def body(x_ref, w_ref, *refs):
     if exchange:
@@ -194,11 +204,11 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       row0 = src * m_shard + chunk * tiles.cta_m
       b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
       out_tile = out_ref.at[pl.ds(row0, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
-      forwards = (wg == 0) & (n_idx == 0)
+      forwards = (wg == 0) & (n_idx < forwarders)
       dst_rows = pl.ds(row0, tiles.cta_m)
 
       def forward(k_idx, a_smem):
-        @pl.when(forwards)
+        @pl.when(forwards & (lax.rem(k_idx, forwarders) == n_idx))
         def _():
           cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
           for offset in range(1, d):

@@ -1,6 +1,7 @@
 """all_gather_matmul (per shard) and sharded_all_gather_matmul against float64."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
+from jax_overlap import xla_paths
 import testkit
 import reference
 from testkit import AXIS
@@ -110,3 +112,35 @@ def test_sharded_wrapper_with_mesh_argument_and_no_mesh_context(axis_type):
   out = jax.jit(functools.partial(jax_overlap.sharded_all_gather_matmul,
                                   axis_name=AXIS, mesh=mesh))(xs, ws)
   reference.assert_close(out, reference.matmul(x, w), jnp.float32)
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_fused_kernel_backward_rule_matches_autodiff_of_the_bsp_path(d):
+  """The custom VJP of impl="pallas" (its kernel needs Hopper GPUs) computes
+  dx with matmul_reduce_scatter and dw from the gathered x; run its backward
+  rule here against jax.vjp of the XLA path, cotangents for both outputs."""
+  # The package re-exports the op under its module's name; fetch the module.
+  agm_op = importlib.import_module("jax_overlap.all_gather_matmul")
+  m_shard, k, n_shard, dtype = 4, 6, 5, jnp.float32
+  mesh = testkit.mesh_1d(d)
+  x, w, xs, ws = _inputs(mesh, d, m_shard, k, n_shard, dtype, "vjp")
+  rng = testkit.rng("vjp-cotangents", d)
+  # Each device's cotangents are its own row block: [D*M_shard, N_shard] and
+  # [D*M_shard, K] per device.
+  d_out = testkit.put(mesh, testkit.normal(rng, (d * d * m_shard, n_shard), dtype),
+                      P(AXIS, None))
+  d_gathered = testkit.put(mesh, testkit.normal(rng, (d * d * m_shard, k), dtype),
+                           P(AXIS, None))
+
+  def body(x, w, d_out, d_gathered):
+    gathered = jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
+    got = agm_op._fused_bwd(AXIS, None, (x, gathered, w), (d_out, d_gathered))  # pylint: disable=protected-access
+    _, vjp = jax.vjp(lambda x, w: xla_paths.all_gather_matmul_bsp(x, w, AXIS, True), x, w)
+    return (*got, *vjp((d_out, d_gathered)))
+
+  specs = (P(AXIS, None), P(None, AXIS))
+  dx, dw, dx_ref, dw_ref = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(*specs, P(AXIS, None), P(AXIS, None)),
+      out_specs=(*specs, *specs)))(xs, ws, d_out, d_gathered)
+  np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)

@@ -344,10 +344,18 @@ def test_default_config_is_supported(m, k, n, dtype):
     assert isinstance(config, agm.AllGatherMatmulConfig)
     assert agm.unsupported_reason(m, k, n, dtype, config) is None, (axis_size, config)
     assert config.tiles.smem_bytes(jnp.dtype(dtype).itemsize) <= gemm_core.SMEM_BYTES
-    # The documented send heuristic: "push" for at most two waves of tiles.
+    # The documented send heuristic: all blocks push for one wave of tiles;
+    # forward beyond two; in between, push by >= 32 idle blocks, else forward.
     t = config.tiles
-    waves = axis_size * (m // t.cta_m) * (n // t.cta_n) / _NUM_SMS
-    assert config.send == ("push" if waves <= 2 else "forward"), (axis_size, waves, config)
+    total = axis_size * (m // t.cta_m) * (n // t.cta_n)
+    if total <= _NUM_SMS:
+      assert (config.send, config.pushers) == ("push", None), (axis_size, total, config)
+    elif total > 2 * _NUM_SMS:
+      assert config.send == "forward", (axis_size, total, config)
+    else:
+      idle = _NUM_SMS - total % _NUM_SMS
+      want = ("push", idle) if idle >= 32 else ("forward", None)
+      assert (config.send, config.pushers) == want, (axis_size, total, config)
 
 
 def test_default_config_tiles_fit_the_shape_and_the_gpu():
