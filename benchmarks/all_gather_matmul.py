@@ -50,7 +50,8 @@ def setup(shape: shapes.AllGatherMatmulShape, mesh) -> cases.Operands:
                                (shape.k, d * shape.n_shard), W_SPEC, DTYPE)
 
 
-def _ours_fn(mesh, impl: str, config=None):
+def ours_fn(mesh, impl: str, config=None):
+  """The per-shard op over `mesh`, jitted as a user runs it (also the tuner's)."""
   body = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl=impl,
                            config=config)
   return spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC)
@@ -65,12 +66,12 @@ def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operand
                  send: str) -> runner.Built:
   cases.require_hopper("our kernel")
   config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=None)
-  return runner.Built(_ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
+  return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
                       {"config": repr(config)})
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
-  return _ours_fn(mesh, "xla_bsp")(inputs.x, inputs.w)
+  return ours_fn(mesh, "xla_bsp")(inputs.x, inputs.w)
 
 
 def _user_bsp(x, w):
@@ -110,7 +111,7 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       jax.ShapeDtypeStruct((shape.m_shard, shape.k), DTYPE),
       jax.ShapeDtypeStruct((shape.k, shape.n_shard), DTYPE),
       axis_size=mesh.size, impl=impl)
-  ours = lambda impl: runner.Built(_ours_fn(mesh, impl), args)
+  ours = lambda impl: runner.Built(ours_fn(mesh, impl), args)
   return [
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
       *(runner.Case(f"pallas_{send}", "ours",

@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_overlap import _validate
 from jax_overlap import dispatch
+from jax_overlap import tuned
 from jax_overlap import xla_paths
 from jax_overlap.matmul_reduce_scatter import matmul_reduce_scatter
 from pallas_kernels import all_gather_matmul as kernel
@@ -38,9 +39,11 @@ class Problem:
 
 
 def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
-  return p.config or kernel.default_config(
-      p.m_shard, p.k, p.n_shard, p.dtype, axis_size=p.axis_size,
-      num_sms=platform.num_sms())
+  """The caller's config, else a tuned one for this problem, else the heuristic's."""
+  return p.config or tuned.all_gather_matmul_config(
+      platform.device_kind(), p.axis_size, p.m_shard, p.k, p.n_shard, p.dtype
+  ) or kernel.default_config(p.m_shard, p.k, p.n_shard, p.dtype,
+                             axis_size=p.axis_size, num_sms=platform.num_sms())
 
 
 def _pallas_support(p: Problem) -> str | None:
@@ -148,7 +151,8 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
     impl: "auto" (the fused kernel where it applies, else "xla_bsp"),
       "pallas", "xla_bsp" or "xla_ring". See `explain`.
     config: a `jax_overlap.AllGatherMatmulConfig` for impl "pallas"; None
-      picks one for the shape.
+      takes the tuned one for this device kind and problem
+      (`jax_overlap/data`), else the kernel's heuristic.
     return_gathered: also return the gathered x, e.g. for a backward pass.
 
   Returns:

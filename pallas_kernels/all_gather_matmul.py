@@ -77,6 +77,14 @@ class AllGatherMatmulConfig:
   send: Literal["forward", "push"] = "forward"
   pushers: int | None = None
 
+  def to_dict(self) -> dict:
+    """A JSON-able form (see `from_dict`)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
+    return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"])
+
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256) dividing K,
     a multiple of tiles.tile_k >= 64."""

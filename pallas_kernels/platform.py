@@ -27,3 +27,8 @@ def hopper_unavailable_reason() -> str | None:
 def num_sms() -> int:
   """Streaming multiprocessors of the default GPU (only call on a GPU)."""
   return jax.devices()[0].core_count
+
+
+def device_kind() -> str:
+  """The default device's kind, e.g. "NVIDIA H200"."""
+  return jax.devices()[0].device_kind

@@ -1,0 +1,49 @@
+"""Tuned kernel configs, kept as data.
+
+One JSON file per device kind and op, `data/<device kind>/<op>.json`, maps a
+per-shard problem key (`problem_key`) to {"config": the config's `to_dict`
+form, plus the times measured when it was chosen}.
+`benchmarks/tune_all_gather_matmul.py` writes them on the GPU; `config=None`
+takes a tuned entry for the exact problem where one exists and the kernel's
+heuristic otherwise.
+"""
+
+import functools
+import json
+import pathlib
+import re
+
+import jax.numpy as jnp
+
+from pallas_kernels import all_gather_matmul as ag_kernel
+
+DATA_DIR = pathlib.Path(__file__).parent / "data"
+
+
+def device_dir(device_kind: str) -> str:
+  """Folder name of a device kind: "NVIDIA H200" -> "nvidia_h200"."""
+  return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+
+
+def table_path(device_kind: str, op: str) -> pathlib.Path:
+  return DATA_DIR / device_dir(device_kind) / f"{op}.json"
+
+
+def problem_key(axis_size: int, m: int, k: int, n: int, dtype) -> str:
+  """"D=2 m=1024 k=4096 n=4096 bfloat16": one per-shard problem."""
+  return f"D={axis_size} m={m} k={k} n={n} {jnp.dtype(dtype).name}"
+
+
+@functools.cache
+def load(device_kind: str, op: str) -> dict[str, dict]:
+  """The table of `op` on `device_kind`; empty if there is none."""
+  path = table_path(device_kind, op)
+  return json.loads(path.read_text()) if path.exists() else {}
+
+
+def all_gather_matmul_config(device_kind: str, axis_size: int, m_shard: int, k: int,
+                             n_shard: int, dtype) -> ag_kernel.AllGatherMatmulConfig | None:
+  """The tuned config for this exact problem, or None."""
+  entry = load(device_kind, "all_gather_matmul").get(
+      problem_key(axis_size, m_shard, k, n_shard, dtype))
+  return None if entry is None else ag_kernel.AllGatherMatmulConfig.from_dict(entry["config"])
