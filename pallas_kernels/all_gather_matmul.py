@@ -15,7 +15,10 @@ and signals when that tile's K loop ends; "push" has some blocks copy pieces
 of the shard to the peers before their first tile and signal them. A tile of
 a remote step waits only for its own (source, chunk) semaphore:
 per-chunk dataflow, no global barrier. Neither sender ever waits for a peer,
-so the exchange cannot deadlock.
+and a block finishes its sends before it waits for anything, so the exchange
+cannot deadlock as long as every block of the persistent grid (at most one per
+SM) is resident at once; a kernel that XLA ran concurrently on another stream
+and that held SMs could break that (not seen; the grid is sized to the SMs).
 
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,

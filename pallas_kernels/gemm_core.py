@@ -10,8 +10,8 @@ Kernels drive the core tile by tile from their own schedules, and can hook into
 it: `on_a_tile(k_idx, a_smem)` sees each A tile while it sits in shared memory
 (e.g. to forward it to a peer with no extra HBM read; a copy issued from it
 must have finished reading it before the hook returns, because the stage is
-released right after), and
-`after_k()` runs in the compute warpgroups once the tile's K loop is done.
+released right after), and `after_k()` runs in the compute warpgroups once the
+tile's K loop is done.
 """
 
 from collections.abc import Callable
