@@ -36,7 +36,8 @@ class Problem:
 
 def _pallas_support(p: Problem) -> str | None:
   return platform.hopper_unavailable_reason() or (
-      "the fused flash-decode kernel is not built yet."
+      "the fused flash-decode kernel (in-kernel cross-GPU combine) is not built"
+      " yet; only its local split-KV part exists (pallas_kernels/flash_decode.py)."
   )
 
 
