@@ -16,7 +16,13 @@ Cases:
             mqa_native_bsp: the same pipeline on K/V already stored as
             [B, Hkv, S, Dh], calling `decode_attention.mqa` over B * Hkv with
             gqa's kernel parameters: the kernel's best layout. GPU only.
-  floor     local_floor: jax_overlap's local partial with the exchange removed.
+  ours      pallas_local_bsp: our local split-KV kernel (pallas_kernels/
+            flash_decode.py) on the local slice, then the XLA log-sum-exp
+            merge across splits and devices (Hopper only) — the kernel's
+            first end-to-end check, until the in-kernel combine exists.
+  floor     local_floor: jax_overlap's local XLA partial, exchange removed.
+            pallas_local: our local kernel alone, exchange removed: the
+            figure the HBM-streaming target is measured on (Hopper only).
 The rate reported is KV GB/s per device: its KV slice's bytes / time.
 """
 
@@ -36,6 +42,8 @@ from benchmarks import cases
 from benchmarks import runner
 from benchmarks import shapes
 from benchmarks import spmd
+from pallas_kernels import flash_decode as fd_kernel
+from pallas_kernels import platform
 
 AXIS = spmd.AXIS
 Q_SPEC = P()                          # q [B, Hq, Dh]: replicated
@@ -109,6 +117,25 @@ def _local_floor(q, k, v):
                                    lax.axis_index(AXIS) * s_shard)
 
 
+def _pallas_local(q, k, v):
+  """Our kernel's per-split partials over this device's full slice:
+  o [B, Hkv, splits, G, Dh], lse [B, Hkv, splits, G] (padding rows dropped)."""
+  b, hq, dh = q.shape
+  s_shard, hkv = k.shape[1], k.shape[2]
+  config = fd_kernel.default_config(b, hkv, s_shard, dh, q.dtype, num_sms=platform.num_sms())
+  o, lse = fd_kernel.decode_partials(
+      fd_kernel.pad_queries(q, hkv), k, v, jnp.full((b,), s_shard, jnp.int32),
+      scale=1.0 / math.sqrt(dh), config=config)
+  g = hq // hkv
+  return o[:, :, :, :g], lse[:, :, :, :g]
+
+
+def _pallas_local_bsp(q, k, v):
+  o, lse = _pallas_local(q, k, v)
+  merged = xla_paths.merge_partials(o, lse, axis=2, axis_name=AXIS)  # [B, Hkv, G, Dh]
+  return merged.reshape(q.shape).astype(q.dtype)
+
+
 def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runner.Case]:
   mesh, inputs = ctx.mesh, ctx.inputs
   args = (inputs["q"], inputs["k"], inputs["v"])
@@ -134,11 +161,21 @@ def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runn
 
   local_floor = lambda: runner.Built(
       spmd.per_shard(_local_floor, mesh, kv_specs, (P(AXIS), P(AXIS))), args)
+
+  def pallas_local() -> runner.Built:
+    cases.require_hopper("our decode kernel")
+    return runner.Built(spmd.per_shard(_pallas_local, mesh, kv_specs, (P(AXIS), P(AXIS))), args)
+
+  def pallas_local_bsp() -> runner.Built:
+    cases.require_hopper("our decode kernel")
+    return runner.Built(spmd.per_shard(_pallas_local_bsp, mesh, kv_specs, OUT_SPEC), args)
   return [
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp")),
+      runner.Case("pallas_local_bsp", "ours", pallas_local_bsp),
       runner.Case("gqa_bsp", "baseline", gqa_bsp),
       runner.Case("mqa_native_bsp", "baseline", mqa_native_bsp),
       runner.Case("local_floor", "floor", local_floor, checked=False),
+      runner.Case("pallas_local", "floor", pallas_local, checked=False),
   ]
 
 

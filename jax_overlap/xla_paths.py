@@ -110,16 +110,33 @@ def decode_partials(q, k, v, kv_lens, scale, seq_offset):
   return o.reshape(b, hq, dh), lse.reshape(b, hq)
 
 
-def flash_decode_bsp(q, k, v, kv_lens, scale, axis_name):
-  """Local partial, then an all-reduce merge with the log-sum-exp rule.
+def merge_partials(o, lse, *, axis: int, axis_name=None):
+  """Log-sum-exp merge of attention partials stacked along `axis`.
 
-  The shift `m` only keeps exp() in range; the result does not depend on it,
-  so it carries no gradient.
+  Args:
+    o: [..., P, ..., Dh] float32 normalized partial outputs (P along `axis`).
+    lse: o's shape without Dh: each partial's log-sum-exp, -inf if empty.
+    axis: the array axis holding the partials.
+    axis_name: if given, also merge across this mesh axis (all-reduces).
+
+  Returns:
+    o without `axis`: the merged output, float32; zeros where every partial is
+    empty. The shift that keeps exp() in range does not change the result, so
+    it carries no gradient.
   """
+  m = jnp.max(lax.stop_gradient(lse), axis=axis)
+  if axis_name is not None:
+    m = lax.pmax(m, axis_name)
+  weight = jnp.exp(lse - jnp.expand_dims(jnp.where(jnp.isfinite(m), m, 0.0), axis))
+  total = jnp.sum(weight, axis=axis)
+  merged = jnp.sum(jnp.expand_dims(weight, -1) * o, axis=axis)
+  if axis_name is not None:
+    total, merged = lax.psum((total, merged), axis_name)
+  return merged / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def flash_decode_bsp(q, k, v, kv_lens, scale, axis_name):
+  """Local partial, then an all-reduce merge with the log-sum-exp rule."""
   seq_offset = lax.axis_index(axis_name) * k.shape[1]
   o, lse = decode_partials(q, k, v, kv_lens, scale, seq_offset)
-  m = lax.pmax(lax.stop_gradient(lse), axis_name)
-  weight = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
-  total = lax.psum(weight, axis_name)
-  merged = lax.psum(weight[..., None] * o, axis_name)
-  return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
+  return merge_partials(o[None], lse[None], axis=0, axis_name=axis_name).astype(q.dtype)

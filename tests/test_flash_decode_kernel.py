@@ -1,6 +1,7 @@
-"""The split-KV decode kernel's compute path on CPU: numerics through the
-Mosaic GPU interpreter, and its lowering for CUDA through `jax.export` (the
-Mosaic GPU compiler passes run; only the final PTX compile needs a GPU)."""
+"""The local split-KV decode kernel: numerics through the Mosaic GPU
+interpreter and its lowering for CUDA through `jax.export` on CPU (the Mosaic
+GPU compiler passes run; only the final PTX compile needs a GPU), and the same
+numerics on a Hopper GPU (`gpu` marker)."""
 
 import math
 import zlib
@@ -67,9 +68,9 @@ CASES = [
 ]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}")
-def test_partials_merge_to_the_float64_reference(case, interpreter):
+def _check_partials(case, interpret) -> None:
+  """Runs the kernel on `case`; its merged partials must match float64, and a
+  split with no valid position must publish an empty partial."""
   b, hq, hkv, dh, s, lens, dtype, config = case
   assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
   rng = _rng(case[:5])
@@ -78,20 +79,45 @@ def test_partials_merge_to_the_float64_reference(case, interpreter):
   lens = np.asarray(lens, np.int32)
   scale = 1 / math.sqrt(dh)
   o, lse = jax.jit(lambda q, k, v, n: fd.decode_partials(
-      fd.pad_queries(q, hkv), k, v, n, scale=scale, config=config, interpret=interpreter))(
+      fd.pad_queries(q, hkv), k, v, n, scale=scale, config=config, interpret=interpret))(
           jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lens))
   assert o.shape == (b, hkv, config.splits, fd.ROWS, dh) and lse.shape == o.shape[:-1]
   want = _reference(np.asarray(q, np.float32), np.asarray(k, np.float32),
                     np.asarray(v, np.float32), lens, scale)
   tol = 2e-2 if dtype == BF16 else 4e-3  # P is rounded to the input dtype for the PV wgmma
   np.testing.assert_allclose(_merge(o, lse, hq), want, atol=tol * max(np.abs(want).max(), 1e-3))
-  # A split that holds no valid position publishes an empty partial.
   chunk = s // config.splits
   for i, n in enumerate(lens):
     for split in range(config.splits):
       if n <= split * chunk:
         assert np.all(np.asarray(lse)[i, :, split] == -np.inf)
         assert np.all(np.asarray(o)[i, :, split] == 0)
+
+
+_case_id = lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_partials_merge_to_the_float64_reference(case, interpreter):
+  _check_partials(case, interpreter)
+
+
+# On the GPU: the interpreter cases plus benchmark-like slices (the heads of the
+# default shapes, many steps and splits, ragged lengths).
+GPU_CASES = CASES + [
+    (8, 64, 8, 128, 16384, (16384, 9000, 1, 0, 16383, 8192, 128, 12000), BF16,
+     fd.default_config(8, 8, 16384, 128, BF16, num_sms=132)),
+    (1, 64, 8, 128, 16384, (9000,), BF16, fd.default_config(1, 8, 16384, 128, BF16, num_sms=132)),
+    (3, 8, 8, 64, 2048, (2048, 777, 0), F16, fd.default_config(3, 8, 2048, 64, F16, num_sms=132)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_partials_on_gpu_merge_to_the_float64_reference(case):
+  _check_partials(case, None)
 
 
 @pytest.mark.parametrize("dtype,dh", [(BF16, 128), (F16, 64)])
