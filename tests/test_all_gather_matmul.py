@@ -33,11 +33,6 @@ CASES = [
 ]
 
 
-def _case_id(case):
-  d, m, k, n, dtype = case
-  return f"D{d}-{m}x{k}x{n}-{testkit.dtype_id(dtype)}"
-
-
 def _inputs(mesh, d, m_shard, k, n_shard, dtype, *key):
   """Global x [D*M_shard, K] (rows over AXIS) and w [K, D*N_shard] (columns
   over AXIS), random from `key`: host copies and placed arrays."""
@@ -48,7 +43,7 @@ def _inputs(mesh, d, m_shard, k, n_shard, dtype, *key):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=testkit.matmul_case_id)
 def test_per_shard_matches_reference(case, impl):
   d, *_, dtype = case
   mesh = testkit.mesh_1d(d)

@@ -30,11 +30,6 @@ CASES = [
 ]
 
 
-def _case_id(case):
-  d, m, k, n, dtype = case
-  return f"D{d}-{m}x{k}x{n}-{testkit.dtype_id(dtype)}"
-
-
 def _inputs(mesh, d, m, k_shard, n, dtype, *key):
   """Global x [M, D*K_shard] (columns over AXIS) and w [D*K_shard, N] (rows
   over AXIS), random from `key`: host copies and placed arrays."""
@@ -45,7 +40,7 @@ def _inputs(mesh, d, m, k_shard, n, dtype, *key):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=testkit.matmul_case_id)
 def test_per_shard_matches_reference(case, impl):
   d, *_, dtype = case
   mesh = testkit.mesh_1d(d)

@@ -68,3 +68,9 @@ def dtype_id(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
+
+
+def matmul_case_id(case) -> str:
+  """Test id of a matmul case (D, rows, contraction, cols, dtype)."""
+  d, m, k, n, dtype = case
+  return f"D{d}-{m}x{k}x{n}-{dtype_id(dtype)}"
