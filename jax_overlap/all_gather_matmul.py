@@ -72,9 +72,10 @@ def _fused_fwd(x, w, axis_name, config):
 def _cotangent_like(ct, primal):
   """`ct` with the shard_map varying-axes type (vma) of `primal`.
 
-  The kernel's outputs carry no vma, so cotangents built from them may lack
-  an axis the primal varies over (cast), or vary over an axis the primal is
-  replicated on (sum its replicas' contributions).
+  A cotangent built from the outputs (typed varying over every axis x or w
+  varies over, and the gather axis) may vary over an axis the primal is
+  replicated on (sum its replicas' contributions, e.g. dw over a data axis),
+  or lack one it varies over (cast).
   """
   have = jax.typeof(ct).manual_axis_type.varying
   want = jax.typeof(primal).manual_axis_type.varying

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gemm_core
+from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 # Fewer pushing blocks than this leave NVLink underused (2x H200: 16 tail
@@ -302,8 +303,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)
   if exchange:
     gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
-    return gemm_core.launch(body, out_type=(out_struct, gathered_struct),
+    outs = gemm_core.launch(body, out_type=(out_struct, gathered_struct),
                             num_sms=grid, interpret=interpret)(x, w)
+    return vma.mark_varying(outs, vma.varying_axes(x, w, axis_name=axis_name))
   out = gemm_core.launch(body, out_type=out_struct, num_sms=grid,
                          interpret=interpret)(x, w, pregathered.gathered)
-  return out, pregathered.gathered
+  axes = vma.varying_axes(x, w, pregathered.gathered)
+  return vma.mark_varying(out, axes), pregathered.gathered

@@ -369,3 +369,28 @@ def test_default_config_tiles_fit_the_shape_and_the_gpu():
   assert pick(1024, 4096, 2176).cta_n == 128
   small = pick(128, 8192, 7168)
   assert 2 * (128 // small.cta_m) * (7168 // small.cta_n) > 100
+
+
+# --- shard_map types of the kernel's outputs -----------------------------------
+
+
+def test_outputs_are_typed_varying_over_the_axis():
+  """Inside shard_map the kernel's outputs differ per device, and must be typed
+  so: a replicated type makes autodiff sum their cotangents over the axis
+  (a wrong gradient). Traced only; nothing runs."""
+  mesh = jax.make_mesh((2,), ("x",))
+  config = agm.default_config(128, 256, 256, BF16, axis_size=2, num_sms=132)
+  seen = {}
+
+  def body(x, w):
+    out, gathered = agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132)
+    seen["types"] = [jax.typeof(a).manual_axis_type.varying for a in (out, gathered)]
+    return out, gathered
+
+  x_spec, w_spec = jax.P("x"), jax.P(None, "x")
+  x = jax.ShapeDtypeStruct((256, 256), BF16, sharding=jax.NamedSharding(mesh, x_spec))
+  w = jax.ShapeDtypeStruct((256, 512), BF16, sharding=jax.NamedSharding(mesh, w_spec))
+  f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec),
+                    out_specs=(jax.P(None, "x"), jax.P("x")))
+  jax.eval_shape(f, x, w)
+  assert seen["types"] == [frozenset({"x"}), frozenset({"x"})]
