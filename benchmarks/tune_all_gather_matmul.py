@@ -44,13 +44,14 @@ def candidates(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
 
   Tiles: warpgroup tiles {64, 128} x {64, 128, 256}, split along M or N,
   3-5 stages; each with send "forward" and "push" (all blocks, and the
-  heuristic's pusher count where it has one).
+  heuristic's pusher count where it has one). Larger tiles and 4 stages come
+  first: under a time budget they are the likeliest winners at large shapes.
   """
   default = ag_kernel.default_config(m_shard, k, n_shard, dtype, axis_size=axis_size,
                                      num_sms=num_sms)
   found = [default]
   for tile_m, tile_n, split, stages in itertools.product(
-      (64, 128), (64, 128, 256), ("n", "m"), (3, 4, 5)):
+      (128, 64), (256, 128, 64), ("n", "m"), (4, 3, 5)):
     tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=tile_n, stages=stages, wg_split=split,
                                 epi_tile_n=min(64, tile_n))
     for send, pushers in (("forward", None), ("push", None), ("push", default.pushers)):
