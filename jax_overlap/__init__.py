@@ -9,6 +9,7 @@ Which implementation runs: `explain_*` (see `jax_overlap.dispatch`).
 
 from jax_overlap.all_gather_matmul import all_gather_matmul
 from jax_overlap.configs import AllGatherMatmulConfig
+from jax_overlap.configs import FlashDecodeConfig
 from jax_overlap.configs import GemmTiles
 from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
 from jax_overlap.dispatch import Choice
@@ -23,6 +24,7 @@ from jax_overlap.sharded import sharded_matmul_reduce_scatter
 __all__ = [
     "AllGatherMatmulConfig",
     "Choice",
+    "FlashDecodeConfig",
     "GemmTiles",
     "all_gather_matmul",
     "explain_all_gather_matmul",

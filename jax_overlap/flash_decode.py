@@ -15,6 +15,7 @@ import numpy as np
 from jax_overlap import _validate
 from jax_overlap import dispatch
 from jax_overlap import xla_paths
+from pallas_kernels import flash_decode as kernel
 from pallas_kernels import platform
 
 OP = "flash_decode"
@@ -34,11 +35,17 @@ class Problem:
   config: object | None
 
 
+def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
+  """The caller's config, else the kernel's heuristic."""
+  return p.config or kernel.default_config(
+      p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
+      axis_size=p.axis_size, num_sms=platform.num_sms())
+
+
 def _pallas_support(p: Problem) -> str | None:
-  return platform.hopper_unavailable_reason() or (
-      "the fused flash-decode kernel (in-kernel cross-GPU combine) is not built"
-      " yet; only its local split-KV part exists (pallas_kernels/flash_decode.py)."
-  )
+  return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
+      p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard, p.dtype, _kernel_config(p),
+      axis_size=p.axis_size)
 
 
 _TABLE = {"pallas": _pallas_support, "xla_bsp": dispatch.always}
@@ -101,8 +108,10 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       nothing). None means every position is valid. A sequence of length 0
       yields zeros.
     scale: softmax scale; None means 1 / sqrt(Dh).
-    impl: "auto", "pallas" or "xla_bsp". See `explain`.
-    config: block/split configuration for impl "pallas"; None picks one.
+    impl: "auto" (the fused kernel where it applies, else "xla_bsp"),
+      "pallas" or "xla_bsp". See `explain`.
+    config: a `jax_overlap.FlashDecodeConfig` for impl "pallas"; None takes
+      the kernel's heuristic (one wave of work items on this GPU).
 
   Returns:
     [B, Hq, Dh] in q's dtype, softmax(q k^T * scale) v over all valid positions
@@ -114,9 +123,13 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
     TypeError: unsupported or mismatched dtypes, non-integer kv_lens.
   """
   problem = _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config)
-  dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)
   if kv_lens is None:
     kv_lens = jnp.full((problem.batch,), problem.axis_size * problem.s_shard, jnp.int32)
-  return xla_paths.flash_decode_bsp(q, k, v, kv_lens.astype(jnp.int32), scale, axis_name)
+  kv_lens = kv_lens.astype(jnp.int32)
+  if choice.impl == "pallas":
+    return kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
+                               config=_kernel_config(problem), num_sms=platform.num_sms())
+  return xla_paths.flash_decode_bsp(q, k, v, kv_lens, scale, axis_name)

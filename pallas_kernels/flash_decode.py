@@ -1,22 +1,44 @@
-"""Split-KV flash decoding on Hopper: the local part of distributed decode.
+"""Distributed flash decoding on Hopper: one persistent kernel per device.
 
-Per device: q [B, Hq, Dh] (the same on every device) and this device's slice
-of the KV cache, k/v [B, S, Hkv, Dh]. One block of one warpgroup per
-(batch, KV head, split) streams its split's S / splits positions of K and V
-through a multi-stage TMA pipeline and keeps the online-softmax state (running
-max, sum and output, float32) in registers. The Hq / Hkv query heads that share
-a KV head are processed together, padded to the 64 rows of a `wgmma`, so every
-K/V byte is read once. Positions at or past the sequence's local length are
-masked; a split with none left publishes an empty partial (lse = -inf).
+Per device: q [B, Hq, Dh] (the same on every device), this device's slice of
+the KV cache k/v [B, S, Hkv, Dh] (global positions [me * S, (me + 1) * S)) and
+the global lengths kv_lens [B]; every device returns the attention output
+[B, Hq, Dh] over the whole cache.
 
-The result is one mergeable partial per split: o [B, Hkv, splits, 64, Dh]
-(normalized; rows >= Hq / Hkv are padding) and lse [B, Hkv, splits, 64]. They
-merge with the log-sum-exp rule, here across splits and, in the distributed
-op, across devices.
+Phase 1, local partials. Work item (batch, KV head, split): one warpgroup
+streams the split's S / splits positions of K and V through a TMA pipeline,
+keeping the online-softmax state (running max, sum, output; float32) in
+registers. The Hq / Hkv = G query heads of a KV head ride in one 64-row
+`wgmma` (a window of 64 consecutive query rows that contains the group's: no
+padding copy of q where G is a multiple of 8; otherwise each group is padded
+to Gp = the next multiple of 8 rows), and every K/V byte is read once. Steps past the
+sequence's end are not loaded; a split with no valid position publishes an
+empty partial (lse = -inf), so every wait below completes.
 
-P goes through shared memory to the second `wgmma` (the Mosaic GPU
-interpreter takes `wgmma` operands from SMEM only); decode is memory-bound, so
-the 16 KB store per step is off the critical path.
+Exchange. The item's Gp rows of the normalized output (float32) and its
+log-sum-exp (broadcast over LSE_COLS columns, a 32-byte TMA row) are
+TMA-stored into every device's receive buffers, recv_o [D * splits, R, Dh]
+and recv_lse [D * splits, R, LSE_COLS], at row (b * Hkv + h) * Gp of slot
+me * splits + split (R = B * Hkv * Gp rounded up to 64); then the semaphore
+of each 64-row output tile those rows touch is raised on that device.
+
+Phase 2, combine. Work item (64-row tile of the R query rows, column chunk): wait for the tile's own semaphore to count every partial of every
+(batch, KV head) group in it (no global barrier), then merge its D * splits
+partials with the log-sum-exp rule in a TMA pipeline, and store the output.
+
+The persistent grid (at most one block per SM, all resident) runs its phase-1
+items before its phase-2 items; phase 1 never waits, so every wait is for
+work that runs unconditionally and cannot deadlock (unless another kernel held
+SMs concurrently, not seen). Calls are safe back to back: XLA zeroes the
+semaphores and runs a cross-device barrier before each launch of a collective
+Mosaic GPU kernel, so no device writes into a peer before it has entered.
+
+Exchange seam: with `Received`, the peers' partials are an input; each item
+copies its peers' rows from it into the receive buffers where the peers would
+have stored them, and there are no signals or waits. One device then computes
+device `index`'s output with the same item code, addressing and combine,
+which is how it runs in the Mosaic GPU interpreter on CPU (no semaphores or
+remote refs there). The seam runs on one block: its phases need no waits.
 """
 
 import dataclasses
@@ -27,52 +49,71 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import vma
+
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
-ROWS = 64  # the M of a wgmma: query heads of one KV head, padded
+ROWS = 64  # the M of a wgmma: query rows per item and per output tile
+LSE_COLS = 8  # a log-sum-exp row is broadcast over 8 float32s: 32 bytes for TMA
 # Dynamic shared memory per block on H100/H200, less room for barriers and
-# alignment (Mosaic GPU counted ~2.8 KB more than `smem_bytes` at Dh = 128).
+# alignment (Mosaic GPU counted ~2.8 KB more than the buffers at Dh = 128).
 SMEM_BYTES = 227 * 1024 - 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashDecodeConfig:
-  """Blocks of the split-KV decode kernel.
+  """Work split of the decode kernel.
 
   Attributes:
     block_kv: KV positions per pipeline step (a multiple of 64).
-    splits: KV splits per (batch, KV head): more blocks for small batches.
+    splits: KV splits per (batch, KV head): more phase-1 items for small
+      batches. S_shard must be a multiple of block_kv * splits.
     stages: depth of the K/V shared-memory ring.
+    combine_cols: output columns per phase-2 item (divides Dh, multiple of
+      16): narrower spreads the merge of one tile over more blocks.
   """
   block_kv: int = 128
   splits: int = 1
   stages: int = 2
+  combine_cols: int = 128
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """Shared memory: the K/V ring, q and P tiles, the float32 output staging."""
+  def smem_bytes(self, head_dim: int, itemsize: int, partials: int) -> int:
+    """The larger of the two phases' shared memory (they run one after the other)."""
     ring = self.stages * 2 * self.block_kv * head_dim * itemsize
-    tiles = ROWS * (head_dim + self.block_kv) * itemsize
-    staging = ROWS * (head_dim + 1) * 4
-    return ring + tiles + staging
+    tiles = ROWS * (head_dim + self.block_kv) * itemsize  # q, P
+    staging = ROWS * (head_dim + LSE_COLS) * 4  # o, lse
+    merge_ring = _merge_stages(partials) * ROWS * (self.combine_cols + LSE_COLS) * 4
+    out_tile = ROWS * self.combine_cols * itemsize
+    return max(ring + tiles + staging, merge_ring + out_tile)
 
 
-def default_config(batch: int, kv_heads: int, s_shard: int, head_dim: int, dtype, *,
-                   num_sms: int) -> FlashDecodeConfig:
-  """Enough splits that the (batch, KV head, split) blocks fill the GPU about
-  twice, each split a whole number of steps; the deepest ring (<= 4 stages)
-  that fits in shared memory."""
+def _merge_stages(partials: int) -> int:
+  return min(4, partials)
+
+
+def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_dim: int,
+                   dtype, *, axis_size: int, num_sms: int) -> FlashDecodeConfig:
+  """One wave of phase-1 items: the most splits (each a whole number of
+  steps) with B * Hkv * splits <= the SM count; the deepest K/V ring (<= 4)
+  that fits; combine columns halved (>= 32) until the merge spreads over at
+  least a quarter of the SMs."""
   block_kv = 128 if s_shard % 128 == 0 else 64
   steps = max(1, s_shard // block_kv)
-  want = max(1, -(-2 * num_sms // (batch * kv_heads)))
-  splits = max(d for d in range(1, steps + 1) if steps % d == 0 and d <= want)
+  items = batch * kv_heads
+  splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or items * d <= num_sms))
+  tiles = receive_rows(batch, q_heads, kv_heads) // ROWS
+  cols = head_dim
+  while cols > 32 and tiles * (head_dim // cols) < num_sms // 4:
+    cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
+  partials = axis_size * splits
   stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
-      block_kv, splits, n).smem_bytes(head_dim, itemsize) <= SMEM_BYTES])
-  return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages)
+      block_kv, splits, n, cols).smem_bytes(head_dim, itemsize, partials) <= SMEM_BYTES])
+  return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols)
 
 
-def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int,
-                       s_shard: int, dtype, config: FlashDecodeConfig) -> str | None:
+def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s_shard: int,
+                       dtype, config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """None if the kernel can run this per-shard problem, else why not."""
   del batch
   if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
@@ -84,106 +125,273 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int,
             f" Hq={q_heads}, Hkv={kv_heads}.")
   if config.block_kv % 64 or config.splits < 1 or config.stages < 2:
     return f"bad config {config}: block_kv % 64 == 0, splits >= 1, stages >= 2."
+  if head_dim % config.combine_cols or config.combine_cols % 16:
+    return f"bad config {config}: combine_cols must divide Dh = {head_dim} and be a multiple of 16."
   if s_shard % (config.block_kv * config.splits):
     return (f"the local KV length S_shard = {s_shard} must be a multiple of"
             f" block_kv * splits = {config.block_kv * config.splits}.")
-  if (need := config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)) > SMEM_BYTES:
+  need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, axis_size * config.splits)
+  if need > SMEM_BYTES:
     return f"config {config} needs {need} bytes of shared memory, more than {SMEM_BYTES}."
   return None
 
 
-def pad_queries(q, kv_heads: int):
-  """[B, Hq, Dh] -> [B, Hkv, 64, Dh]: each KV head's query heads, zero-padded."""
+@dataclasses.dataclass(frozen=True)
+class Received:
+  """The exchange seam: the peers' partials, given instead of received.
+
+  Attributes:
+    o: [D * splits, R, Dh] float32, laid out like the kernel's recv_o; the
+      slots of device `index` are ignored (the kernel computes them).
+    lse: [D * splits, R, LSE_COLS] float32, likewise.
+    index: the device whose output to compute, 0 <= index < D.
+  """
+  o: jax.Array
+  lse: jax.Array
+  index: int
+
+
+def padded_group(group: int) -> int:
+  """Rows per (batch, KV head) group: Hq / Hkv rounded up to 8, so that each
+  group's rows start 8-aligned in shared memory (Mosaic GPU tiles f32 tiles
+  by 8 rows; a TMA slice must start on a tile)."""
+  return -(-group // 8) * 8
+
+
+def receive_rows(batch: int, q_heads: int, kv_heads: int) -> int:
+  """R, the query rows of the receive buffers: B * Hkv padded groups,
+  rounded up to ROWS."""
+  return -(-batch * kv_heads * padded_group(q_heads // kv_heads) // ROWS) * ROWS
+
+
+def _group_rows(q, kv_heads: int, padded: int):
+  """[B, Hq, Dh] -> [B * Hkv * padded, Dh]: each KV head's query heads,
+  zero-padded to `padded` rows (a free reshape when they are already)."""
   b, hq, dh = q.shape
   grouped = q.reshape(b, kv_heads, hq // kv_heads, dh)
-  return jnp.pad(grouped, ((0, 0), (0, 0), (0, ROWS - hq // kv_heads), (0, 0)))
+  if padded != hq // kv_heads:
+    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded - hq // kv_heads), (0, 0)))
+  return grouped.reshape(b * kv_heads * padded, dh)
 
 
-def decode_partials(q_padded, k, v, local_lens, *, scale: float,
-                    config: FlashDecodeConfig, interpret=None):
-  """Per-split attention partials over this device's KV slice.
+def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
+                 config: FlashDecodeConfig, num_sms: int, received: Received | None = None,
+                 interpret=None):
+  """Runs the kernel on this shard.
 
   Args:
-    q_padded: [B, Hkv, 64, Dh] from `pad_queries`.
-    k, v: [B, S, Hkv, Dh], bf16/fp16 like q.
-    local_lens: [B] int32, valid positions of each sequence in this slice
-      (0..S): positions >= local_lens[b] are masked.
+    q: [B, Hq, Dh] bf16/fp16. k, v: [B, S, Hkv, Dh], like q; this device
+      holds global positions [me * S, (me + 1) * S).
+    kv_lens: [B] int32 global valid lengths (positions >= kv_lens[b] are masked).
+    axis_name: the mesh axis of size D that shards the sequence (the kernel
+      runs inside shard_map over it); None: one device, no exchange.
     scale: softmax scale.
-    config: blocks; `unsupported_reason` must have accepted the problem.
+    config: work split; `unsupported_reason` must have accepted the problem.
+    num_sms: most blocks of the persistent grid (the GPU's SM count).
+    received: the exchange seam (see `Received`); then axis_name is unused.
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
 
   Returns:
-    (o [B, Hkv, splits, 64, Dh] float32 normalized partials, zeros where a
-    split has no valid position; lse [B, Hkv, splits, 64] float32, -inf there).
+    out [B, Hq, Dh] in q's dtype; with `received`, (out, recv_o, recv_lse),
+    whose slots me * splits + split hold this device's partials.
   """
-  b, s, hkv, dh = k.shape
-  chunk = s // config.splits
-  dtype = k.dtype
+  b, hq, dh = q.shape
+  _, s, hkv, _ = k.shape
+  group = padded_group(hq // hkv)
+  exchange = received is None
+  splits = config.splits
+  if exchange:
+    d = lax.axis_size(axis_name) if axis_name is not None else 1
+  else:
+    d = received.o.shape[0] // splits
+  remote = exchange and d > 1
+  chunk = s // splits
+  partials = d * splits
+  rows = receive_rows(b, hq, hkv)
+  tiles = rows // ROWS
+  col_chunks = dh // config.combine_cols
+  items = b * hkv * splits
+  merges = tiles * col_chunks
+  grid = 1 if not exchange else min(num_sms, max(items, merges))
+  dtype = q.dtype
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  q_rows = _group_rows(q, hkv, group)
+  if q_rows.shape[0] < ROWS:  # the 64-row query window needs 64 rows to slide over
+    q_rows = jnp.pad(q_rows, ((0, ROWS - q_rows.shape[0]), (0, 0)))
 
-  def body(q_ref, k_ref, v_ref, lens_ref, o_ref, lse_ref, q_smem, q_loaded, p_smem,
-           o_smem, lse_smem):
-    bh, split = lax.axis_index("bh"), lax.axis_index("split")
-    batch, head = bh // hkv, lax.rem(bh, hkv)
-    length = lens_ref[batch]
-    start = split * chunk
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_loaded)
-    plgpu.barrier_wait(q_loaded)
+  def body(q_ref, k_ref, v_ref, lens_ref, *refs):
+    if exchange:
+      out_ref, recv_o, recv_lse = refs
+      me = lax.axis_index(axis_name) if remote else 0
+      ready = pl.get_global(plgpu.SemaphoreType.REGULAR((tiles,)))
+    else:
+      given_o, given_lse, out_ref, recv_o, recv_lse = refs
+      me = received.index
+    sm = lax.axis_index("sm")
+    destinations = [lax.rem(me + offset, d) for offset in range(d)] if remote else [None]
 
-    def matmul(a_smem, b_smem, n):
-      def run(acc):
-        plgpu.wgmma(acc, a_smem, b_smem)
-        return acc[...]
-      return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
+    def touched_tiles(row):
+      """The output tiles that rows [row, row + Gp) fall in (one or two)."""
+      first, last = row // ROWS, (row + group - 1) // ROWS
+      return first, last
 
-    def step(idxs, k_smem, v_smem, carry):
-      acc, m, l = carry
-      scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
-      pos = start + idxs[0] * config.block_kv + plgpu.broadcasted_iota(
-          jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
-      scores = jnp.where(pos < length, scores, -jnp.inf)
-      m_new = jnp.maximum(m, scores.max(axis=1))
-      shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no NaN
-      alpha = jnp.exp(m - shift)
-      p = jnp.exp(scores - lax.broadcast_in_dim(shift, scores.shape, [0]))
-      p_smem[...] = p.astype(dtype)
+    def deliver(o_smem, lse_smem, window, row, slot):
+      """Stores an item's rows into every device's receive buffers (the
+      seam: into this one's, plus the peers' rows from `received`)."""
+      src, dst = pl.ds(window, group), pl.ds(row, group)
+      for dev in destinations:
+        o_to, lse_to = (recv_o, recv_lse) if dev is None else (
+            plgpu.remote_ref(recv_o, {axis_name: dev}), plgpu.remote_ref(recv_lse, {axis_name: dev}))
+        plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      if exchange:
+        first, last = touched_tiles(row)
+        for dev in destinations:
+          where = {} if dev is None else {"device_id": {axis_name: dev}}
+          pl.semaphore_signal(ready.at[first], 1, **where)
+
+          @pl.when(last != first)
+          def _():
+            pl.semaphore_signal(ready.at[last], 1, **where)
+        return
+
+      def relay(peer, loaded):  # the seam: what peer `peer` would have stored
+        peer_slot = peer * splits + lax.rem(slot, splits)
+        plgpu.copy_gmem_to_smem(given_o.at[peer_slot, dst], o_smem.at[pl.ds(0, group)], loaded)
+        plgpu.copy_gmem_to_smem(given_lse.at[peer_slot, dst], lse_smem.at[pl.ds(0, group)], loaded)
+        plgpu.barrier_wait(loaded)
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], recv_o.at[peer_slot, dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, group)], recv_lse.at[peer_slot, dst])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+      for peer in range(d):
+        if peer != received.index:
+          pl.run_scoped(lambda loaded, peer=peer: relay(peer, loaded),
+                        plgpu.Barrier(num_arrivals=2))
+
+    def attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem):
+      """Phase 1: the partial of (batch, KV head, split) = item."""
+      bh, split = item // splits, lax.rem(item, splits)
+      batch, head = bh // hkv, lax.rem(bh, hkv)
+      row = bh * group
+      window_start = jnp.minimum(row, q_rows.shape[0] - ROWS)
+      window = row - window_start  # the group's first row within the window
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, ROWS)], q_smem, q_loaded)
+      start = split * chunk
+      length = jnp.clip(lens_ref[batch] - me * s - start, 0, chunk)
+      plgpu.barrier_wait(q_loaded)
+
+      def matmul(a_smem, b_smem, n):
+        def run(acc):
+          plgpu.wgmma(acc, a_smem, b_smem)
+          return acc[...]
+        return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
+
+      def step(idxs, k_smem, v_smem, carry):
+        acc, m, l = carry
+        scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
+        pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
+            jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+        scores = jnp.where(pos < length, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no NaN
+        alpha = jnp.exp(m - shift)
+        p = jnp.exp(scores - lax.broadcast_in_dim(shift, scores.shape, [0]))
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + matmul(p_smem, v_smem, dh)
+        return acc, m_new, l * alpha + p.sum(axis=1)
+
+      spec = plgpu.BlockSpec((config.block_kv, dh), lambda i: (i, 0), transforms=swizzled)
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      acc, m, l = plgpu.emit_pipeline(
+          step, grid=(pl.cdiv(length, config.block_kv),), in_specs=[spec, spec],
+          max_concurrent_steps=config.stages,
+          init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA),
+                      plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                      plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
+      )(k_ref.at[batch, pl.ds(start, chunk), head], v_ref.at[batch, pl.ds(start, chunk), head])
+
+      some = l > 0
+      safe_l = jnp.where(some, l, 1.0)
+      lse = jnp.where(some, m + jnp.log(safe_l), -jnp.inf)
+      o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
+      lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
       plgpu.commit_smem()
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + matmul(p_smem, v_smem, dh)
-      return acc, m_new, l * alpha + p.sum(axis=1)
+      deliver(o_smem, lse_smem, window, row, me * splits + split)
 
-    spec = plgpu.BlockSpec((config.block_kv, dh), lambda i: (i, 0), transforms=swizzled)
-    rows = plgpu.Layout.WGMMA.reduce(1)
-    acc, m, l = plgpu.emit_pipeline(
-        step, grid=(chunk // config.block_kv,), in_specs=[spec, spec],
-        max_concurrent_steps=config.stages,
-        init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows),
-                    plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows)),
-    )(k_ref.at[batch, pl.ds(start, chunk), head], v_ref.at[batch, pl.ds(start, chunk), head])
+    def merge(item, out_smem):
+      """Phase 2: output tile x column chunk = item, from all its partials."""
+      tile, col = item // col_chunks, lax.rem(item, col_chunks)
+      if exchange:
+        first = tile * ROWS // group
+        last = jnp.minimum((tile * ROWS + ROWS - 1) // group, b * hkv - 1)
+        pl.semaphore_wait(ready.at[tile], (last - first + 1) * partials, decrement=False)
 
-    some = l > 0
-    safe_l = jnp.where(some, l, 1.0)
-    o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
-    lse_smem[...] = jnp.where(some, m + jnp.log(safe_l), -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, head, split])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, split])
-    plgpu.wait_smem_to_gmem(0)
+      def step(_, o_smem, lse_smem, carry):
+        acc, m, l = carry
+        lse = plgpu.load(lse_smem.at[0], layout=plgpu.Layout.WGMMA).max(axis=1)
+        o = plgpu.load(o_smem.at[0], layout=plgpu.Layout.WGMMA)
+        m_new = jnp.maximum(m, lse)
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, weight = jnp.exp(m - shift), jnp.exp(lse - shift)
+        acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+               + o * lax.broadcast_in_dim(weight, acc.shape, [0]))
+        return acc, m_new, l * alpha + weight
 
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((b, hkv, config.splits, ROWS, dh), jnp.float32),
-                jax.ShapeDtypeStruct((b, hkv, config.splits, ROWS), jnp.float32)),
-      grid=(b * hkv, config.splits),
-      grid_names=("bh", "split"),
-      scratch_types=dict(
-          q_smem=plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),
-          q_loaded=plgpu.Barrier(num_arrivals=1),
-          p_smem=plgpu.SMEM((ROWS, config.block_kv), dtype, transforms=swizzled),
-          o_smem=plgpu.SMEM((ROWS, dh), jnp.float32),
-          lse_smem=plgpu.SMEM((ROWS,), jnp.float32),
-      ),
-      interpret=interpret,
-  )(q_padded, k, v, local_lens)
+      cols = config.combine_cols
+      tile_rows, tile_cols = pl.ds(tile * ROWS, ROWS), pl.ds(col * cols, cols)
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      acc, _, l = plgpu.emit_pipeline(
+          step, grid=(partials,),
+          in_specs=[plgpu.BlockSpec((1, ROWS, cols), lambda p: (p, 0, 0)),
+                    plgpu.BlockSpec((1, ROWS, LSE_COLS), lambda p: (p, 0, 0))],
+          max_concurrent_steps=_merge_stages(partials),
+          init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA),
+                      plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                      plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
+      )(recv_o.at[:, tile_rows, tile_cols], recv_lse.at[:, tile_rows])
+      safe_l = jnp.where(l > 0, l, 1.0)  # a sequence of length 0 yields zeros
+      out_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[tile_rows, tile_cols])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def phase1(q_smem, q_loaded, p_smem, o_smem, lse_smem):
+      @pl.loop(sm, items, step=grid)
+      def _(item):
+        attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem)
 
+    pl.run_scoped(phase1,
+                  plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),
+                  plgpu.Barrier(num_arrivals=1),
+                  plgpu.SMEM((ROWS, config.block_kv), dtype, transforms=swizzled),
+                  plgpu.SMEM((ROWS, dh), jnp.float32),
+                  plgpu.SMEM((ROWS, LSE_COLS), jnp.float32))
+
+    def phase2(out_smem):
+      # Phase-2 items continue phase 1's round robin: item `items + j` goes to
+      # block (items + j) % grid, so blocks with fewer phase-1 items merge first.
+      @pl.loop(lax.rem(sm - items % grid + grid, grid), merges, step=grid)
+      def _(item):
+        merge(item, out_smem)
+
+    pl.run_scoped(phase2, plgpu.SMEM((ROWS, config.combine_cols), dtype))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  out_types = (jax.ShapeDtypeStruct((rows, dh), dtype),
+               jax.ShapeDtypeStruct((partials, rows, dh), jnp.float32),
+               jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
+  inputs = (q_rows, k, v, kv_lens.astype(jnp.int32))
+  if not exchange:
+    inputs += (received.o, received.lse)
+  out, recv_o, recv_lse = plgpu.kernel(
+      body, out_type=out_types, grid=(grid,), grid_names=("sm",), interpret=interpret,
+  )(*inputs)
+  out = out[:b * hkv * group].reshape(b, hkv, group, dh)[:, :, :hq // hkv].reshape(b, hq, dh)
+  if exchange:
+    # Every device merges the same partials in the same order: the output is
+    # replicated over the axis, and varies over the inputs' other axes.
+    return vma.mark_varying(out, vma.varying_axes(q, k, v, kv_lens) - {axis_name})
+  return out, recv_o, recv_lse

@@ -1,7 +1,9 @@
-"""The local split-KV decode kernel: numerics through the Mosaic GPU
-interpreter and its lowering for CUDA through `jax.export` on CPU (the Mosaic
-GPU compiler passes run; only the final PTX compile needs a GPU), and the same
-numerics on a Hopper GPU (`gpu` marker)."""
+"""The distributed decode kernel on CPU: its compute path (partials, their
+placement in the receive buffers, the in-kernel merge) through the Mosaic GPU
+interpreter with the exchange replaced by `Received`, one device at a time;
+its CUDA lowering, exchange included, through `jax.export` (the Mosaic GPU
+compiler passes run; only the final PTX compile needs a GPU); its configs.
+The exchange itself runs in tests/test_flash_decode_gpu.py."""
 
 import math
 import zlib
@@ -45,102 +47,106 @@ def _reference(q, k, v, lens, scale) -> np.ndarray:
   return out.reshape(b, hq, dh)
 
 
-def _merge(o, lse, q_heads) -> np.ndarray:
-  """The log-sum-exp merge of the kernel's splits, in float64, padding dropped."""
-  b, hkv, _, _, dh = o.shape
-  g = q_heads // hkv
-  o, lse = np.asarray(o, np.float64)[..., :g, :], np.asarray(lse, np.float64)[..., :g]
-  top = lse.max(axis=2, keepdims=True)
-  weight = np.where(np.isfinite(lse), np.exp(lse - np.where(np.isfinite(top), top, 0)), 0)
-  total = weight.sum(axis=2)
-  merged = (weight[..., None] * o).sum(axis=2) / np.where(total > 0, total, 1)[..., None]
-  return merged.reshape(b, q_heads, dh)
-
-
-# (B, Hq, Hkv, Dh, S, lens, dtype, config): GQA, MQA, MHA; Dh 64 and 128;
-# lengths ending mid-block, at a block edge, before a split (empty splits),
-# zero and full.
+# (B, Hq, Hkv, Dh, S_shard, D, global lens, dtype, config): GQA (G = 4, 8),
+# MQA, MHA (groups padded to 8 rows); Dh 64 and 128; lengths ending mid-block,
+# at a block edge, inside device 0's slice (device 1 empty), zero and full;
+# empty splits; D = 1, 2 and 3.
 CASES = [
-    (2, 8, 2, 128, 512, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2)),
-    (3, 4, 4, 64, 256, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3)),
-    (1, 8, 1, 64, 384, (130,), BF16, fd.FlashDecodeConfig(128, 3, 2)),
-    (2, 16, 2, 128, 256, (256, 1), F16, fd.FlashDecodeConfig(128, 1, 2)),
+    (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64)),
+    (3, 4, 4, 64, 128, 2, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
+    (1, 8, 1, 64, 384, 1, (130,), BF16, fd.FlashDecodeConfig(128, 3, 2, 64)),
+    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16)),
 ]
 
 
-def _check_partials(case, interpret) -> None:
-  """Runs the kernel on `case`; its merged partials must match float64, and a
-  split with no valid position must publish an empty partial."""
-  b, hq, hkv, dh, s, lens, dtype, config = case
-  assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
-  rng = _rng(case[:5])
+def _run(case, index, given_o, given_lse, interpret):
+  """Device `index`'s (out, recv_o, recv_lse) through the exchange seam."""
+  b, hq, hkv, dh, s, d, lens, dtype, config = case
+  rng = _rng(case[:6])
   q, k, v = (rng.standard_normal(shape).astype(dtype)
-             for shape in ((b, hq, dh), (b, s, hkv, dh), (b, s, hkv, dh)))
-  lens = np.asarray(lens, np.int32)
-  scale = 1 / math.sqrt(dh)
-  o, lse = jax.jit(lambda q, k, v, n: fd.decode_partials(
-      fd.pad_queries(q, hkv), k, v, n, scale=scale, config=config, interpret=interpret))(
-          jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lens))
-  assert o.shape == (b, hkv, config.splits, fd.ROWS, dh) and lse.shape == o.shape[:-1]
-  want = _reference(np.asarray(q, np.float32), np.asarray(k, np.float32),
-                    np.asarray(v, np.float32), lens, scale)
+             for shape in ((b, hq, dh), (b, d * s, hkv, dh), (b, d * s, hkv, dh)))
+  mine = slice(index * s, (index + 1) * s)
+  f = jax.jit(lambda q, k, v, n, o, lse: fd.flash_decode(
+      q, k, v, n, scale=1 / math.sqrt(dh), config=config, num_sms=132,
+      received=fd.Received(o, lse, index), interpret=interpret))
+  outs = f(q, k[:, mine], v[:, mine], np.asarray(lens, np.int32), given_o, given_lse)
+  return (q, k, v), outs
+
+
+def _empty_partials(case):
+  b, hq, hkv, dh, _, d, _, _, config = case
+  shape = (d * config.splits, fd.receive_rows(b, hq, hkv))
+  return jnp.zeros(shape + (dh,), jnp.float32), jnp.full(shape + (fd.LSE_COLS,), -jnp.inf)
+
+
+def _own_slots(recv, index, splits):
+  return recv[index * splits:(index + 1) * splits]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}_D{c[5]}")
+def test_every_device_merges_to_the_float64_reference(case, interpreter):
+  """Each device computes its partials; given the others' (from their own runs
+  through the seam), it merges them into the full attention output. An empty
+  split publishes lse = -inf."""
+  b, hq, hkv, dh, s, d, lens, dtype, config = case
+  assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config, axis_size=d) is None
+  splits = config.splits
+  # Pass 1: every device's own partials (the others' slots empty).
+  partials = [_run(case, i, *_empty_partials(case), interpreter)[1][1:] for i in range(d)]
+  given_o = jnp.concatenate([_own_slots(o, i, splits) for i, (o, _) in enumerate(partials)])
+  given_lse = jnp.concatenate([_own_slots(l, i, splits) for i, (_, l) in enumerate(partials)])
+  chunk = s // splits
+  rows = fd.padded_group(hq // hkv)
+  for i in range(d):
+    for bi, n in enumerate(lens):
+      for split in range(splits):
+        if n <= i * s + split * chunk:  # no valid position in this split
+          lse = np.asarray(given_lse)[i * splits + split, bi * hkv * rows:(bi + 1) * hkv * rows]
+          assert np.all(lse == -np.inf), (i, bi, split)
+  # Pass 2: every device merges all partials.
   tol = 2e-2 if dtype == BF16 else 4e-3  # P is rounded to the input dtype for the PV wgmma
-  np.testing.assert_allclose(_merge(o, lse, hq), want, atol=tol * max(np.abs(want).max(), 1e-3))
-  chunk = s // config.splits
-  for i, n in enumerate(lens):
-    for split in range(config.splits):
-      if n <= split * chunk:
-        assert np.all(np.asarray(lse)[i, :, split] == -np.inf)
-        assert np.all(np.asarray(o)[i, :, split] == 0)
+  for i in range(d):
+    (q, k, v), (out, recv_o, _) = _run(case, i, given_o, given_lse, interpreter)
+    np.testing.assert_array_equal(np.asarray(_own_slots(recv_o, i, splits)),
+                                  np.asarray(_own_slots(given_o, i, splits)))
+    want = _reference(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                      np.asarray(v, np.float32), np.asarray(lens), 1 / math.sqrt(dh))
+    assert out.shape == (b, hq, dh) and out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), want,
+                               atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
 
 
-_case_id = lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_partials_merge_to_the_float64_reference(case, interpreter):
-  _check_partials(case, interpreter)
-
-
-# On the GPU: the interpreter cases plus benchmark-like slices (the heads of the
-# default shapes, many steps and splits, ragged lengths).
-GPU_CASES = CASES + [
-    (8, 64, 8, 128, 16384, (16384, 9000, 1, 0, 16383, 8192, 128, 12000), BF16,
-     fd.default_config(8, 8, 16384, 128, BF16, num_sms=132)),
-    (1, 64, 8, 128, 16384, (9000,), BF16, fd.default_config(1, 8, 16384, 128, BF16, num_sms=132)),
-    (3, 8, 8, 64, 2048, (2048, 777, 0), F16, fd.default_config(3, 8, 2048, 64, F16, num_sms=132)),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_partials_on_gpu_merge_to_the_float64_reference(case):
-  _check_partials(case, None)
-
-
-@pytest.mark.parametrize("dtype,dh", [(BF16, 128), (F16, 64)])
-def test_kernel_lowers_for_cuda(dtype, dh):
-  b, hq, hkv, s = 8, 64, 8, 4096
-  config = fd.default_config(b, hkv, s, dh, dtype, num_sms=132)
-  assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
-  args = (jax.ShapeDtypeStruct((b, hkv, fd.ROWS, dh), dtype),
-          jax.ShapeDtypeStruct((b, s, hkv, dh), dtype),
-          jax.ShapeDtypeStruct((b, s, hkv, dh), dtype),
-          jax.ShapeDtypeStruct((b,), jnp.int32))
-  f = jax.jit(lambda *a: fd.decode_partials(*a, scale=0.1, config=config))
-  exported = jax.export.export(f, platforms=["cuda"])(*args)
+@pytest.mark.parametrize("dtype,dh,hq", [(BF16, 128, 64), (F16, 64, 32), (BF16, 128, 8)])
+def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq):
+  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2."""
+  mesh = jax.make_mesh((2,), ("x",))
+  b, hkv, s_total = 8, 8, 8192
+  config = fd.default_config(b, hkv, hq, s_total // 2, dh, dtype, axis_size=2, num_sms=132)
+  assert fd.unsupported_reason(b, hq, hkv, dh, s_total // 2, dtype, config, axis_size=2) is None
+  q_spec, kv_spec = jax.P(), jax.P(None, "x")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v, n: fd.flash_decode(q, k, v, n, axis_name="x", scale=0.1, config=config,
+                                         num_sms=132),
+      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec), out_specs=q_spec))
+  sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt,
+                                                     sharding=jax.NamedSharding(mesh, spec))
+  kv = sds((b, s_total, hkv, dh), dtype, kv_spec)
+  exported = jax.export.export(f, platforms=["cuda"])(
+      sds((b, hq, dh), dtype, q_spec), kv, kv, sds((b,), jnp.int32, q_spec))
   assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("shape", shapes.FLASH_DECODE, ids=str)
-def test_default_config_fits_the_benchmark_shapes_and_fills_the_gpu(shape):
+def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape):
   s_shard = shape.s_total // 2
-  config = fd.default_config(shape.b, shape.hkv, s_shard, shape.dh, BF16, num_sms=132)
-  assert fd.unsupported_reason(shape.b, shape.hq, shape.hkv, shape.dh, s_shard, BF16, config) is None
-  blocks = shape.b * shape.hkv * config.splits
-  assert blocks >= 132 or s_shard // config.block_kv == config.splits  # as many as the steps allow
+  config = fd.default_config(shape.b, shape.hkv, shape.hq, s_shard, shape.dh, BF16,
+                             axis_size=2, num_sms=132)
+  assert fd.unsupported_reason(shape.b, shape.hq, shape.hkv, shape.dh, s_shard, BF16, config,
+                               axis_size=2) is None
+  items = shape.b * shape.hkv * config.splits
+  assert items <= 132 or config.splits == 1
+  assert items > 66 or s_shard // config.block_kv == config.splits  # as many as the steps allow
 
 
 @pytest.mark.parametrize("args,match", [
@@ -150,18 +156,20 @@ def test_default_config_fits_the_benchmark_shapes_and_fills_the_gpu(shape):
     ((2, 8, 2, 128, 500, BF16), "multiple of block_kv"),
 ])
 def test_unsupported_problems_are_named(args, match):
-  reason = fd.unsupported_reason(*args, fd.FlashDecodeConfig(128, 2, 2))
+  reason = fd.unsupported_reason(*args, fd.FlashDecodeConfig(128, 2, 2), axis_size=2)
   assert reason is not None and match in reason
 
 
-def test_too_deep_a_ring_is_rejected_before_compiling():
-  reason = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 4))
-  assert reason is not None and "shared memory" in reason
+def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
+  bad_cols = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 2, 48),
+                                   axis_size=2)
+  assert bad_cols is not None and "combine_cols" in bad_cols
+  deep = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 4),
+                               axis_size=2)
+  assert deep is not None and "shared memory" in deep
 
 
-def test_pad_queries_groups_heads_by_kv_head():
-  q = jnp.arange(2 * 8 * 4, dtype=jnp.float32).reshape(2, 8, 4)
-  padded = fd.pad_queries(q, kv_heads=2)
-  assert padded.shape == (2, 2, fd.ROWS, 4)
-  np.testing.assert_array_equal(padded[1, 1, :4], q[1, 4:8])
-  assert not np.any(np.asarray(padded[:, :, 4:]))
+def test_groups_are_padded_to_eight_rows():
+  assert [fd.padded_group(g) for g in (1, 4, 8, 12, 64)] == [8, 8, 8, 16, 64]
+  assert fd.receive_rows(3, 4, 4) == 128  # 12 groups of 8 rows, rounded up to 64
+  assert fd.receive_rows(8, 64, 8) == 512

@@ -1,0 +1,195 @@
+"""flash_decode(impl="pallas") on Hopper GPUs: the fused kernel, exchange
+included, against float64 on every device (`gpu` marker; skipped elsewhere).
+
+Covers the benchmark heads at reduced lengths and odd shapes (B = 3, MHA,
+MQA, GQA with groups of 4), ragged lengths (zero, one position, ending inside
+a shard so later devices are empty, at a shard edge, full), D = 1 and the whole
+machine, the axis as one axis of a 2-D mesh, 32 layers in a `lax.scan`,
+decode steps in a Python loop on one jitted function, and the kernel beside
+another collective in one jit.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+import reference
+import testkit
+from pallas_kernels import platform
+from test_flash_decode import ragged_lens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300, method="thread"),
+    pytest.mark.skipif(platform.hopper_unavailable_reason() is not None,
+                       reason=str(platform.hopper_unavailable_reason())),
+]
+
+AXIS = testkit.AXIS
+KV_SPEC = P(None, AXIS, None, None)
+BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+D = len(jax.devices())
+
+# (Hq, Hkv, Dh, S_shard, dtype); B = len(ragged_lens) = 6.
+CASES = [
+    (64, 8, 128, 4096, BF16),   # the benchmark heads
+    (32, 8, 128, 2048, BF16),   # groups of 4 (padded to 8 rows)
+    (8, 8, 64, 1024, F16),      # MHA
+    (16, 1, 128, 1024, BF16),   # MQA
+    (8, 2, 64, 512, F16),
+]
+
+
+def _case_id(case):
+  hq, hkv, dh, s_shard, dtype = case
+  return f"hq{hq}-hkv{hkv}-dh{dh}-s{s_shard}-{testkit.dtype_id(dtype)}"
+
+
+def _inputs(d, case, *key, batch=None):
+  hq, hkv, dh, s_shard, dtype = case
+  rng = testkit.rng(d, *case, *key)
+  b = batch or len(ragged_lens(d, s_shard))
+  return (testkit.normal(rng, (b, hq, dh), dtype),
+          testkit.normal(rng, (b, d * s_shard, hkv, dh), dtype),
+          testkit.normal(rng, (b, d * s_shard, hkv, dh), dtype))
+
+
+def _per_shard_fn(mesh, stack_axis=AXIS):
+  """jit(shard_map(flash_decode(impl="pallas"))) returning every device's
+  output stacked along a new leading axis."""
+  def body(q, k, v, kv_lens):
+    return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl="pallas")[None]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), KV_SPEC, KV_SPEC, P()),
+                               out_specs=P(stack_axis)))
+
+
+def _check_every_device(outs, expected, dtype):
+  for i, out in enumerate(outs):
+    reference.assert_close(out, expected, dtype, what=f"device {i}'s output")
+    np.testing.assert_array_equal(out, outs[0], err_msg=f"device {i} differs from device 0")
+
+
+@pytest.mark.parametrize("d", sorted({1, D}))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_on_every_device(case, d):
+  mesh = testkit.mesh_1d(d)
+  s_shard, dtype = case[3], case[4]
+  q, k, v = _inputs(d, case)
+  lens = ragged_lens(d, s_shard)
+  put = functools.partial(testkit.put, mesh)
+  outs = np.asarray(_per_shard_fn(mesh)(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC),
+                                        put(lens, P())))
+  assert outs.shape == (d, *q.shape)
+  _check_every_device(outs, reference.flash_decode(q, k, v, lens), dtype)
+  np.testing.assert_array_equal(outs[:, lens == 0], 0.0, err_msg="length-0 sequence")
+
+
+def test_auto_picks_the_kernel():
+  q, k, v = (jax.ShapeDtypeStruct(s, BF16) for s in ((8, 64, 128), (8, 4096, 8, 128),
+                                                    (8, 4096, 8, 128)))
+  choice = jax_overlap.explain_flash_decode(q, k, v, axis_size=D)
+  assert (choice.impl, choice.rejected) == ("pallas", ()), str(choice)
+
+
+def test_axis_of_a_2d_mesh():
+  """Sequence sharded over "model" of a ("data", "model") mesh, batch over "data"."""
+  mesh = testkit.make_mesh((D // 2, 2) if D >= 4 else (1, D), ("data", AXIS))
+  case = CASES[0]
+  dtype = case[4]
+  q, k, v = _inputs(mesh.shape[AXIS], case, "2d", batch=2 * mesh.shape["data"])
+  lens = np.resize(ragged_lens(mesh.shape[AXIS], case[3]), q.shape[0]).astype(np.int32)
+  kv_spec = P("data", AXIS, None, None)
+
+  def body(q, k, v, kv_lens):
+    return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl="pallas")[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), kv_spec, kv_spec, P("data")),
+                            out_specs=P(AXIS, "data")))
+  put = functools.partial(testkit.put, mesh)
+  outs = np.asarray(f(put(q, P("data")), put(k, kv_spec), put(v, kv_spec), put(lens, P("data"))))
+  _check_every_device(outs, reference.flash_decode(q, k, v, lens), dtype)
+
+
+def test_32_layers_in_a_scan():
+  """One decode step through 32 layers, each with its own KV cache; the next
+  layer's query is the previous output (every call depends on the last)."""
+  mesh = testkit.mesh_1d(D)
+  hq, hkv, dh, s_shard, dtype = case = CASES[1]
+  layers, b = 32, 4
+  rng = testkit.rng("scan", D, *case)
+  q = testkit.normal(rng, (b, hq, dh), dtype)
+  ks = testkit.normal(rng, (layers, b, D * s_shard, hkv, dh), dtype)
+  vs = testkit.normal(rng, (layers, b, D * s_shard, hkv, dh), dtype)
+  lens = np.array([D * s_shard, s_shard + 3, 1, s_shard], np.int32)
+  stacked_spec = P(None, None, AXIS, None, None)
+
+  def body(q, ks, vs, kv_lens):
+    def layer(x, kv):
+      out = jax_overlap.flash_decode(x, *kv, axis_name=AXIS, kv_lens=kv_lens, impl="pallas")
+      return out * 4, out  # rescaled so that softmax stays sharp layer after layer
+    _, outs = lax.scan(layer, q, (ks, vs))
+    return outs[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), stacked_spec, stacked_spec, P()),
+                            out_specs=P(AXIS)))
+  put = functools.partial(testkit.put, mesh)
+  got = np.asarray(f(put(q, P()), put(ks, stacked_spec), put(vs, stacked_spec), put(lens, P())))
+  x = q
+  for layer in range(layers):
+    # Each layer is checked on the kernel's own (rounded) input, so errors do
+    # not compound through the reference.
+    want = reference.flash_decode(x, ks[layer], vs[layer], lens)
+    _check_every_device(got[:, layer], want, dtype)
+    x = (got[0, layer].astype(np.float32) * 4).astype(dtype)
+
+
+def test_decode_steps_in_a_python_loop():
+  """Six steps on one jitted function, lengths growing by one, fresh queries."""
+  mesh = testkit.mesh_1d(D)
+  case = CASES[0]
+  f = _per_shard_fn(mesh)
+  q, k, v = _inputs(D, case, "loop", batch=3)
+  put = functools.partial(testkit.put, mesh)
+  k_dev, v_dev = put(k, KV_SPEC), put(v, KV_SPEC)
+  lens = np.array([5, case[3] - 2, D * case[3] - 6], np.int32)
+  rng = testkit.rng("loop-q")
+  for step in range(6):
+    q = testkit.normal(rng, q.shape, case[4])
+    outs = np.asarray(f(put(q, P()), k_dev, v_dev, put(lens + step, P())))
+    _check_every_device(outs, reference.flash_decode(q, k, v, lens + step), case[4])
+
+
+def test_beside_an_all_gather_matmul_and_a_psum_in_one_jit():
+  """Decode attention, then a psum of its output, then an all-gather matmul
+  of it, in one program: the collectives must not race the kernel."""
+  mesh = testkit.mesh_1d(D)
+  hq, hkv, dh, s_shard, dtype = case = CASES[0]
+  q, k, v = _inputs(D, case, "beside", batch=8)
+  lens = np.resize(ragged_lens(D, s_shard), 8).astype(np.int32)
+  rng = testkit.rng("beside-w")
+  w = testkit.normal(rng, (dh, 256), dtype)
+
+  def body(q, k, v, kv_lens, w):
+    att = jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl="pallas")
+    total = lax.psum(att.astype(jnp.float32), AXIS)
+    rows = att.reshape(-1, dh)  # [B * Hq, Dh], identical on every device
+    mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(AXIS) * (rows.shape[0] // D),
+                                    rows.shape[0] // D)
+    projected = jax_overlap.all_gather_matmul(mine, w, axis_name=AXIS, impl="pallas")
+    return att[None], total[None], projected[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), KV_SPEC, KV_SPEC, P(), P()),
+                            out_specs=(P(AXIS), P(AXIS), P(AXIS))))
+  put = functools.partial(testkit.put, mesh)
+  att, total, projected = (np.asarray(x) for x in f(
+      put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC), put(lens, P()), put(w, P())))
+  want = reference.flash_decode(q, k, v, lens)
+  _check_every_device(att, want, dtype)
+  _check_every_device(total / D, want, dtype)
+  _check_every_device(projected, reference.matmul(att[0].reshape(-1, dh), w), dtype)
