@@ -122,8 +122,7 @@ def _pallas_local(q, k, v):
   s_shard, hkv = k.shape[1], k.shape[2]
   config = fd_kernel.default_config(b, hkv, hq, s_shard, dh, q.dtype, axis_size=1,
                                     num_sms=platform.num_sms())
-  return fd_kernel.flash_decode(q, k, v, jnp.full((b,), s_shard, jnp.int32),
-                                scale=1.0 / math.sqrt(dh), config=config,
+  return fd_kernel.flash_decode(q, k, v, None, scale=1.0 / math.sqrt(dh), config=config,
                                 num_sms=platform.num_sms())
 
 

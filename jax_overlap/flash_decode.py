@@ -126,10 +126,9 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
   choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)
-  if kv_lens is None:
-    kv_lens = jnp.full((problem.batch,), problem.axis_size * problem.s_shard, jnp.int32)
-  kv_lens = kv_lens.astype(jnp.int32)
-  if choice.impl == "pallas":
+  if choice.impl == "pallas":  # kv_lens=None: no lengths input, no masking
     return kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
                                config=_kernel_config(problem), num_sms=platform.num_sms())
-  return xla_paths.flash_decode_bsp(q, k, v, kv_lens, scale, axis_name)
+  if kv_lens is None:
+    kv_lens = jnp.full((problem.batch,), problem.axis_size * problem.s_shard, jnp.int32)
+  return xla_paths.flash_decode_bsp(q, k, v, kv_lens.astype(jnp.int32), scale, axis_name)

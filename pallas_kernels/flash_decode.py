@@ -182,7 +182,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   Args:
     q: [B, Hq, Dh] bf16/fp16. k, v: [B, S, Hkv, Dh], like q; this device
       holds global positions [me * S, (me + 1) * S).
-    kv_lens: [B] int32 global valid lengths (positions >= kv_lens[b] are masked).
+    kv_lens: [B] int32 global valid lengths (positions >= kv_lens[b] are
+      masked), or None: every position is valid (no masking, no input).
     axis_name: the mesh axis of size D that shards the sequence (the kernel
       runs inside shard_map over it); None: one device, no exchange.
     scale: softmax scale.
@@ -219,7 +220,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   if q_rows.shape[0] < ROWS:  # the 64-row query window needs 64 rows to slide over
     q_rows = jnp.pad(q_rows, ((0, ROWS - q_rows.shape[0]), (0, 0)))
 
-  def body(q_ref, k_ref, v_ref, lens_ref, *refs):
+  def body(q_ref, k_ref, v_ref, *refs):
+    if kv_lens is not None:
+      lens_ref, *refs = refs
     if exchange:
       out_ref, recv_o, recv_lse = refs
       me = lax.axis_index(axis_name) if remote else 0
@@ -279,7 +282,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       window = row - window_start  # the group's first row within the window
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, ROWS)], q_smem, q_loaded)
       start = split * chunk
-      length = jnp.clip(lens_ref[batch] - me * s - start, 0, chunk)
+      length = chunk if kv_lens is None else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk)
       plgpu.barrier_wait(q_loaded)
 
       def matmul(a_smem, b_smem, n):
@@ -291,9 +294,10 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       def step(idxs, k_smem, v_smem, carry):
         acc, m, l = carry
         scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
-        pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
-            jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
-        scores = jnp.where(pos < length, scores, -jnp.inf)
+        if kv_lens is not None:
+          pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
+              jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+          scores = jnp.where(pos < length, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no NaN
         alpha = jnp.exp(m - shift)
@@ -383,7 +387,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   out_types = (jax.ShapeDtypeStruct((rows, dh), dtype),
                jax.ShapeDtypeStruct((partials, rows, dh), jnp.float32),
                jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
-  inputs = (q_rows, k, v, kv_lens.astype(jnp.int32))
+  inputs = (q_rows, k, v) + (() if kv_lens is None else (kv_lens.astype(jnp.int32),))
   if not exchange:
     inputs += (received.o, received.lse)
   out, recv_o, recv_lse = plgpu.kernel(
@@ -393,5 +397,5 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   if exchange:
     # Every device merges the same partials in the same order: the output is
     # replicated over the axis, and varies over the inputs' other axes.
-    return vma.mark_varying(out, vma.varying_axes(q, k, v, kv_lens) - {axis_name})
+    return vma.mark_varying(out, vma.varying_axes(q, k, v, *([] if kv_lens is None else [kv_lens])) - {axis_name})
   return out, recv_o, recv_lse

@@ -90,6 +90,20 @@ def test_matches_float64_on_every_device(case, d):
   np.testing.assert_array_equal(outs[:, lens == 0], 0.0, err_msg="length-0 sequence")
 
 
+@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
+def test_without_kv_lens_attends_to_everything(case):
+  mesh = testkit.mesh_1d(D)
+  q, k, v = _inputs(D, case, "no lens")
+
+  def body(q, k, v):
+    return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, impl="pallas")[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), KV_SPEC, KV_SPEC), out_specs=P(AXIS)))
+  put = functools.partial(testkit.put, mesh)
+  outs = np.asarray(f(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC)))
+  _check_every_device(outs, reference.flash_decode(q, k, v), case[4])
+
+
 def test_auto_picks_the_kernel():
   q, k, v = (jax.ShapeDtypeStruct(s, BF16) for s in ((8, 64, 128), (8, 4096, 8, 128),
                                                     (8, 4096, 8, 128)))

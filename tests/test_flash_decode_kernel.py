@@ -50,12 +50,13 @@ def _reference(q, k, v, lens, scale) -> np.ndarray:
 # (B, Hq, Hkv, Dh, S_shard, D, global lens, dtype, config): GQA (G = 4, 8),
 # MQA, MHA (groups padded to 8 rows); Dh 64 and 128; lengths ending mid-block,
 # at a block edge, inside device 0's slice (device 1 empty), zero and full;
-# empty splits; D = 1, 2 and 3.
+# empty splits; no lengths at all; D = 1, 2 and 3.
 CASES = [
     (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64)),
     (3, 4, 4, 64, 128, 2, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
     (1, 8, 1, 64, 384, 1, (130,), BF16, fd.FlashDecodeConfig(128, 3, 2, 64)),
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16)),
+    (2, 16, 2, 128, 256, 2, None, F16, fd.FlashDecodeConfig(64, 2, 2, 64)),  # no kv_lens
 ]
 
 
@@ -69,7 +70,8 @@ def _run(case, index, given_o, given_lse, interpret):
   f = jax.jit(lambda q, k, v, n, o, lse: fd.flash_decode(
       q, k, v, n, scale=1 / math.sqrt(dh), config=config, num_sms=132,
       received=fd.Received(o, lse, index), interpret=interpret))
-  outs = f(q, k[:, mine], v[:, mine], np.asarray(lens, np.int32), given_o, given_lse)
+  outs = f(q, k[:, mine], v[:, mine], None if lens is None else np.asarray(lens, np.int32),
+           given_o, given_lse)
   return (q, k, v), outs
 
 
@@ -99,7 +101,7 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
   chunk = s // splits
   rows = fd.padded_group(hq // hkv)
   for i in range(d):
-    for bi, n in enumerate(lens):
+    for bi, n in enumerate(lens or ()):
       for split in range(splits):
         if n <= i * s + split * chunk:  # no valid position in this split
           lse = np.asarray(given_lse)[i * splits + split, bi * hkv * rows:(bi + 1) * hkv * rows]
@@ -111,7 +113,8 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
     np.testing.assert_array_equal(np.asarray(_own_slots(recv_o, i, splits)),
                                   np.asarray(_own_slots(given_o, i, splits)))
     want = _reference(np.asarray(q, np.float32), np.asarray(k, np.float32),
-                      np.asarray(v, np.float32), np.asarray(lens), 1 / math.sqrt(dh))
+                      np.asarray(v, np.float32), np.full(b, d * s) if lens is None
+                      else np.asarray(lens), 1 / math.sqrt(dh))
     assert out.shape == (b, hq, dh) and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), want,
                                atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
