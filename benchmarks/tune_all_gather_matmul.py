@@ -19,7 +19,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 
 from benchmarks import all_gather_matmul as bench
 from benchmarks import harness

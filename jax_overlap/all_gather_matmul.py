@@ -70,19 +70,16 @@ def _fused_fwd(x, w, axis_name, config):
 
 
 def _cotangent_like(ct, primal):
-  """`ct` with the shard_map varying-axes type (vma) of `primal`.
+  """`ct` summed over the axes it varies over and `primal` does not.
 
-  A cotangent built from the outputs (typed varying over every axis x or w
-  varies over, and the gather axis) may vary over an axis the primal is
-  replicated on (sum its replicas' contributions, e.g. dw over a data axis),
-  or lack one it varies over (cast).
+  The cotangents vary over every axis x or w varies over (the kernel's outputs
+  are typed so); where the primal is replicated (w over a data axis), its
+  gradient is the sum of its replicas' contributions.
   """
   have = jax.typeof(ct).manual_axis_type.varying
   want = jax.typeof(primal).manual_axis_type.varying
   if extra := tuple(sorted(have - want)):
     ct = lax.psum(ct, extra)
-  if missing := tuple(sorted(want - have)):
-    ct = lax.pcast(ct, missing, to="varying")
   return ct
 
 

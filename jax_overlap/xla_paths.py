@@ -10,7 +10,6 @@ are differentiable with `jax.grad`.
   compute with the next chunk's transfer (XLA schedules the permute async).
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
