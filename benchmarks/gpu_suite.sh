@@ -52,6 +52,7 @@ step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" 
 for bench in matmul_reduce_scatter flash_decode; do
   step "$bench" python3 -m "benchmarks.$bench" --out_dir="$OUT" --iterations="$ITERATIONS"
 done
+step layer_scan python3 -m benchmarks.layer_scan --out_dir="$OUT" --iterations="$ITERATIONS"
 
 for json in "$OUT"/*.json; do
   [ -e "$json" ] && cp "$json" benchmarks/results/

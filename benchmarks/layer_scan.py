@@ -1,0 +1,137 @@
+"""Each op and its main baselines called once per layer in a `lax.scan`.
+
+    python -m benchmarks.layer_scan [--layers=16] [--iterations=50] [--out_dir=...]
+
+A model calls these ops once per layer inside one jitted step, not once per
+dispatch. Per function, two pairs of figures (µs, per device):
+  single: one call per dispatch (the op benchmarks' CUPTI and back-to-back
+    dispatch figures), and
+  scan/L: one call of an L-layer `lax.scan` (a different weight or query per
+    layer; the same x or KV cache), CUPTI and dispatch divided by L.
+Single-call dispatch at small shapes is mostly host time (~100-200 µs per
+two-device dispatch here); scan/L shows what a model step pays per layer.
+The floor beside each shape is the op's least time per layer (harness.Floor).
+Writes <device>x<D>_layer_scan.json. Hopper GPUs only.
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from benchmarks import all_gather_matmul as ag_bench
+from benchmarks import flash_decode as fd_bench
+from benchmarks import harness
+from benchmarks import shapes
+from benchmarks import spmd
+from pallas_kernels import platform
+
+_LAYERS = flags.DEFINE_integer("layers", 16, "Layers L of the scan.")
+# --iterations (0: 50) and --out_dir are benchmarks.runner's flags.
+AXIS = spmd.AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class Function:
+  """body(fixed, per_layer, *rest) per shard; fixed/per_layer/rest: arrays
+  and their specs. The scan stacks L scaled copies of per_layer."""
+  name: str
+  body: object
+  args: tuple
+  specs: tuple
+  out_spec: P
+
+
+def _scanned(body):
+  def run(fixed, stacked, *rest):
+    return lax.scan(lambda c, layer: (c, body(fixed, layer, *rest)), 0, stacked)[1]
+  return run
+
+
+def _measure(fn: Function, layers: int, iterations: int, mesh) -> dict:
+  fixed, per_layer, *rest = fn.args
+  single = spmd.per_shard(fn.body, mesh, fn.specs, fn.out_spec)
+  stack_spec = P(None, *fn.specs[1])
+  stacked = spmd.reshard(
+      lambda a: jnp.stack([a * (1 + i / layers) for i in range(layers)]), mesh, stack_spec)(per_layer)
+  scan = spmd.per_shard(_scanned(fn.body), mesh, (fn.specs[0], stack_spec, *fn.specs[2:]),
+                        P(None, *fn.out_spec))
+  one = harness.measure(single, fn.args, iterations=iterations)
+  many = harness.measure(scan, (fixed, stacked, *rest), iterations=max(2, iterations // 4))
+  return {"single_cupti_us": one.cupti_us, "single_dispatch_us": one.dispatch_us,
+          "scan_cupti_us_per_layer": many.cupti_us / layers,
+          "scan_dispatch_us_per_layer": many.dispatch_us / layers}
+
+
+def _all_gather_matmul(shape, mesh) -> list[Function]:
+  ops = ag_bench.setup(shape, mesh)
+  specs = (ag_bench.X_SPEC, ag_bench.W_SPEC)
+  ours = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl="pallas")
+  return [Function("pallas", ours, (ops.x, ops.w), specs, ag_bench.OUT_SPEC),
+          Function("user_bsp", ag_bench._user_bsp, (ops.x, ops.w), specs, ag_bench.OUT_SPEC),
+          Function("gemm_alone", jnp.dot, (ag_bench._pregathered(mesh, ops), ops.w), specs,
+                   ag_bench.OUT_SPEC)]
+
+
+def _flash_decode(shape, mesh) -> list[Function]:
+  inputs = fd_bench.setup(shape, mesh)
+  to_native = spmd.reshard(lambda a: jnp.swapaxes(a, 1, 2), mesh, fd_bench.NATIVE_SPEC)
+  k, v = inputs["k"], inputs["v"]
+  kv_specs = (fd_bench.KV_SPEC, fd_bench.KV_SPEC)
+  native_specs = (fd_bench.NATIVE_SPEC, fd_bench.NATIVE_SPEC)
+  # The query varies per layer: it goes first as `per_layer`, so swap it in.
+  by_q = lambda body: lambda k, q, v: body(q, k, v)
+  ours = functools.partial(jax_overlap.flash_decode, axis_name=AXIS, impl="pallas")
+  out = fd_bench.OUT_SPEC
+  return [
+      Function("pallas", by_q(ours), (k, inputs["q"], v), (kv_specs[0], fd_bench.Q_SPEC, kv_specs[1]), out),
+      Function("mqa_native_bsp", by_q(fd_bench._mqa_native_bsp), (to_native(k), inputs["q"], to_native(v)),
+               (native_specs[0], fd_bench.Q_SPEC, native_specs[1]), out),
+      Function("pallas_local", by_q(fd_bench._pallas_local), (k, inputs["q"], v),
+               (kv_specs[0], fd_bench.Q_SPEC, kv_specs[1]), P(AXIS)),
+  ]
+
+
+OPS = (("all_gather_matmul", shapes.ALL_GATHER_MATMUL, _all_gather_matmul),
+       ("flash_decode", shapes.FLASH_DECODE, _flash_decode))
+
+
+def main(_) -> None:
+  if (reason := platform.hopper_unavailable_reason()) is not None:
+    raise SystemExit(f"benchmarks.layer_scan: {reason}")
+  mesh = spmd.mesh()
+  layers, records = _LAYERS.value, []
+  iterations = flags.FLAGS.iterations or 50
+  for op, op_shapes, functions in OPS:
+    for shape in op_shapes:
+      floor = harness.Floor.of(shape, mesh.size, jnp.dtype(jnp.bfloat16).itemsize)
+      print(f"== {op} {shape}: floor {floor.us:.1f} µs ({floor.bound})", flush=True)
+      for fn in functions(shape, mesh):
+        figures = _measure(fn, layers, iterations, mesh)
+        records.append({"op": op, "shape": str(shape), "case": fn.name,
+                        "floor_us": floor.us, **figures})
+        print(f"  {fn.name:15s} single {figures['single_cupti_us']:8.1f} /"
+              f" {figures['single_dispatch_us']:8.1f}   scan/L"
+              f" {figures['scan_cupti_us_per_layer']:8.1f} /"
+              f" {figures['scan_dispatch_us_per_layer']:8.1f}", flush=True)
+  path = pathlib.Path(flags.FLAGS.out_dir) / f"{spmd.device_tag(mesh)}_layer_scan.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({
+      "device_kind": platform.device_kind(), "devices": mesh.size, "layers": layers,
+      "jax_version": jax.__version__, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "figures": "µs per device: single-call CUPTI / dispatch; scan CUPTI / dispatch per layer",
+      "records": records}, indent=1) + "\n")
+  print(f"JSON: {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
