@@ -9,6 +9,9 @@
 # benchmarks/results/. A failing step is recorded and the next one still runs;
 # the script exits non-zero if any step failed.
 #
+# STEPS (default: every step) names the steps to run, e.g.
+# STEPS="all_gather_matmul layer_scan" to split the suite over two calls.
+#
 # Time bounds: ITERATIONS (calls per figure, default 50), TUNE_BUDGET_S (total
 # seconds for sweeping JAX's collective matmul configs when none are cached,
 # default 600), TEST_TIMEOUT_S (per test, default 300), STEP_TIMEOUT_S (per
@@ -28,8 +31,11 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
+STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan}"
+
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
+  case " $STEPS " in *" $name "*) ;; *) echo "=== $name: not in STEPS, skipped"; return ;; esac
   echo "=== $name: $*"
   local start=$SECONDS
   timeout -k 30 "$STEP_TIMEOUT_S" "$@" 2>&1 | tee "$OUT/$name.log"

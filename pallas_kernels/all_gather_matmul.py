@@ -6,10 +6,11 @@ returns out = all_gather(x) @ w, [D * M_shard, N_shard], and the gathered x,
 
 Schedule. Output tiles are numbered step-major: step 0 is this device's own
 rows (no data to wait for), step s > 0 the rows of device (me + s) % D. Within a
-step tiles run M-fastest, so the tiles of output column 0 come first. The
+step tiles run M-fastest through strips of row chunks (config.strip_chunks;
+by default one strip), so each chunk's first tiles come early. The
 local rows reach the peers' receive buffers in one of two ways (config.send):
 "forward" TMA-stores each A tile of the local shard to the peers while it
-sits in shared memory for the `wgmma` of a first-wave tile of its row chunk
+sits in shared memory for the `wgmma` of one of its row chunk's first tiles
 (no extra HBM read; the chunk's K steps are spread over several such tiles)
 and signals when that tile's K loop ends; "push" has some blocks copy pieces
 of the shard to the peers before their first tile and signal them. A tile of
@@ -53,6 +54,10 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 # Fewer pushing blocks than this leave NVLink underused (2x H200: 16 tail
 # blocks pushing 8 MB were slower than all 132).
 _MIN_PUSHERS = 32
+# Row chunks per strip of the tile order when a step spans several waves
+# (2x H200, 4096x8192x7168 per shard: strips of 8 or 16 chunks were 7-9%
+# faster than one strip of 32, 4 in between; benchmarks/NOTES.md AG v7).
+_STRIP_CHUNKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +70,7 @@ class AllGatherMatmulConfig:
     send: how this device's rows reach its peers.
       "forward": each A tile of the local shard is TMA-stored to the peers
         while it sits in shared memory for the local GEMM (no extra HBM read),
-        the K steps of a row chunk spread over its first-wave tiles; each
+        the K steps of a row chunk spread over its first tiles; each
         signals when its K loop ends. Best when the tiles take several waves,
         so remote tiles never wait.
       "push": before its GEMM tiles, warpgroup 0 of each of the last
@@ -76,10 +81,16 @@ class AllGatherMatmulConfig:
         where "forward" makes remote tiles wait a whole local K loop.
     pushers: with "push", how many blocks (the last ones of the grid, which
       have the fewest or only remote tiles) do the copies; None: all blocks.
+    strip_chunks: the tile order within one source's rows: strips of this
+      many row chunks, each strip's tiles column by column (its chunks
+      fastest), odd strips' columns in reverse, so that a wave's A rows and B
+      columns stay in L2. None: one strip of all the source's chunks. Must
+      divide M_shard / tiles.cta_m.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "push"] = "forward"
   pushers: int | None = None
+  strip_chunks: int | None = None
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -87,7 +98,8 @@ class AllGatherMatmulConfig:
 
   @classmethod
   def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
-    return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"])
+    return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
+               strip_chunks=d.get("strip_chunks"))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256) dividing K,
@@ -103,7 +115,8 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   estimated time, waves x tile area, small tiles taxed for their lower wgmma
   efficiency (at 128x8192x7168 per shard, 128x256 tiles fill 56 of 132 SMs).
   Send: "push" for one wave, or two waves with many idle blocks; else
-  "forward" (benchmarks/NOTES.md has the measurements behind these rules).
+  "forward", with the tiles in strips of row chunks when there are more than
+  two waves (benchmarks/NOTES.md has the measurements behind these rules).
   """
   itemsize = jnp.dtype(dtype).itemsize
   best = None
@@ -122,7 +135,9 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   _, tiles, per_step = best
   total = axis_size * per_step
   if total > 2 * num_sms:
-    return AllGatherMatmulConfig(tiles, "forward")
+    m_chunks = m_shard // tiles.cta_m
+    strip = max(c for c in range(1, _STRIP_CHUNKS + 1) if m_chunks % c == 0)
+    return AllGatherMatmulConfig(tiles, "forward", strip_chunks=strip)
   # One wave: every block pushes (the remote tiles wait for the whole shard,
   # so the more senders the better). Two waves: the blocks with a tile fewer
   # push, if there are enough of them to keep NVLink busy; else forward.
@@ -145,7 +160,14 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"config.send must be 'forward' or 'push', got {config.send!r}."
   if config.pushers is not None and config.pushers < 1:
     return f"config.pushers must be None or >= 1, got {config.pushers}."
-  return config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
+  if reason := config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize):
+    return reason
+  m_chunks = m_shard // config.tiles.cta_m
+  if config.strip_chunks is not None and (
+      config.strip_chunks < 1 or m_chunks % config.strip_chunks):
+    return (f"config.strip_chunks = {config.strip_chunks} must divide the row chunks per"
+            f" shard, M_shard / cta_m = {m_shard} / {config.tiles.cta_m} = {m_chunks}.")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +203,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   n = w.shape[1]
   tiles = config.tiles
   m_chunks = m_shard // tiles.cta_m
-  tiles_per_step = m_chunks * (n // tiles.cta_n)
+  n_tiles = n // tiles.cta_n
+  tiles_per_step = m_chunks * n_tiles
+  strip = config.strip_chunks or m_chunks
   grid = min(num_sms, d * tiles_per_step)
   forward_mode = exchange and config.send == "forward"
   push_mode = exchange and config.send == "push"
@@ -190,10 +214,11 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   remote = exchange and d > 1
   push_cols = config.push_cols(k)
   pieces_per_chunk = k // push_cols
-  # Forward mode: chunk c is forwarded by its tiles in columns 0..F-1, column
-  # n taking the K steps k = n mod F, so no tile stalls on all of a chunk's
-  # stores; F is capped so that every forwarding tile is in the first wave.
-  forwarders = min(n // tiles.cta_n, max(1, grid // m_chunks))
+  # Forward mode: chunk c is forwarded by the first F of its tiles in the tile
+  # order, the j-th taking the K steps k = j mod F, so no tile stalls on all
+  # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
+  # one wave.
+  forwarders = min(n_tiles, max(1, grid // strip))
   # Signals a chunk receives from its source before it is complete.
   expected = forwarders if forward_mode else pieces_per_chunk
 
@@ -209,18 +234,24 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     wg = lax.axis_index(gemm_core.WG_AXIS)
     arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks))) if remote else None
 
-    def tile(scratch, lin):
+    def tile(scratch, info):
+      lin = info.index[0]
+      order = dict(first=info.local_index == 0,
+                   last=info.local_index == info.num_local_steps - 1)
       step, t = lin // tiles_per_step, lin % tiles_per_step
-      chunk, n_idx = t % m_chunks, t // m_chunks
+      # Strip s of the step's chunks, the visit-th column visited in it.
+      s, r = t // (strip * n_tiles), t % (strip * n_tiles)
+      visit, chunk = r // strip, s * strip + r % strip
+      n_idx = jnp.where(s % 2 == 0, visit, n_tiles - 1 - visit)
       src = lax.rem(me + step, d)
       row0 = src * m_shard + chunk * tiles.cta_m
       b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
       out_tile = out_ref.at[pl.ds(row0, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
-      forwards = (wg == 0) & (n_idx < forwarders)
+      forwards = (wg == 0) & (visit < forwarders)
       dst_rows = pl.ds(row0, tiles.cta_m)
 
       def forward(k_idx, a_smem):
-        @pl.when(forwards & (lax.rem(k_idx, forwarders) == n_idx))
+        @pl.when(forwards & (lax.rem(k_idx, forwarders) == visit))
         def _():
           cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
           for offset in range(1, d):
@@ -238,7 +269,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
                                 device_id={axis_name: lax.rem(me + offset, d)})
 
       if not exchange:
-        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile)
+        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
         return
 
       @pl.when(step == 0)
@@ -246,15 +277,17 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         local_rows = x_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m)]
         if forward_mode:
           core(scratch, local_rows, b_cols, out_tile,
-               on_a_tile=forward, after_k=signal_chunk if remote else None)
+               on_a_tile=forward, after_k=signal_chunk if remote else None, **order)
         else:
-          core(scratch, local_rows, b_cols, out_tile)
+          core(scratch, local_rows, b_cols, out_tile, **order)
+
+      if not remote:  # one device: every tile is local
+        return
 
       @pl.when(step > 0)
       def _remote():
-        if remote:
-          pl.semaphore_wait(arrived.at[src, chunk], expected, decrement=False)
-        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile)
+        pl.semaphore_wait(arrived.at[src, chunk], expected, decrement=False)
+        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
 
     def push(stage, loaded):
       """Warpgroup 0 of the r-th of the last `pushers` blocks sends pieces
@@ -297,7 +330,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     def _(**scratch):
       @plgpu.nd_loop((d * tiles_per_step,), collective_axes="sm")
       def _(info):
-        tile(scratch, info.index[0])
+        tile(scratch, info)
     gemm_core.final_wait()
 
   out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)

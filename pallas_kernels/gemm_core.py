@@ -107,7 +107,7 @@ class TileMatmul:
     self.dtype = jnp.dtype(dtype)
     self.out_dtype = jnp.dtype(out_dtype)
 
-  def _pipeline(self, body, compute_context):
+  def _pipeline(self, body, compute_context, state=None):
     t = self.tiles
     spec = functools.partial(
         plgpu.BlockSpec,
@@ -126,6 +126,7 @@ class TileMatmul:
         num_compute_wgs=2,
         max_concurrent_steps=t.stages,
         compute_context=compute_context,
+        pipeline_state=state,
     )
 
   def scratch(self, a_gmem, b_gmem) -> dict:
@@ -148,6 +149,8 @@ class TileMatmul:
       out_tile,
       on_a_tile: Callable | None = None,
       after_k: Callable | None = None,
+      first=None,
+      last=None,
   ) -> None:
     """Computes out_tile = a_rows @ b_cols.
 
@@ -160,6 +163,11 @@ class TileMatmul:
         Copies it issues from a_smem must be done reading when it returns.
       after_k: called by both compute warpgroups after the last K step, before
         the epilogue.
+      first, last: whether this is the block's first and last tile (traced
+        booleans), or None. Given, and with K steps a multiple of the stages,
+        the memory warpgroup runs on into the next tile's loads while the
+        compute warpgroups finish this one (no pipeline fill per tile); every
+        call of a block must then get them, in order.
     """
     t = self.tiles
     wg = lax.axis_index(WG_AXIS)
@@ -184,7 +192,21 @@ class TileMatmul:
         self._epilogue(acc[...].astype(self.out_dtype),
                        out_tile.at[wg_rows, wg_cols], scratch["out_smem"].at[wg])
 
-    self._pipeline(mma, compute_context)(a_rows, b_cols, allocations=scratch["pipeline"])
+    def run(state):
+      self._pipeline(mma, compute_context, state)(
+          a_rows, b_cols, allocations=scratch["pipeline"])
+
+    if first is None or self.k_steps % t.stages:
+      run(None)
+      return
+    # A block's first tile fills the ring, its last drains it; a block with a
+    # single tile does both, which only the stand-alone pipeline can.
+    state = jnp.where(first, plgpu.PipelinePipeline.START,
+                      jnp.where(last, plgpu.PipelinePipeline.STOP,
+                                plgpu.PipelinePipeline.STEADY))
+    only = first & last
+    pl.when(only)(lambda: run(None))
+    pl.when(jnp.logical_not(only))(lambda: run(state))
 
   def _epilogue(self, result, out_ref, smem) -> None:
     """Stores one warpgroup's tile through two alternating SMEM granules."""

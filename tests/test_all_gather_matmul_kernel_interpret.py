@@ -12,6 +12,7 @@ Interpreting is slow (~1-3 s per call), so the cases below are a covering
 set, not a product.
 """
 
+import dataclasses
 import functools
 import itertools
 import zlib
@@ -56,10 +57,11 @@ def interpreter():
   interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
-def _config(tile_n: int, wg_split: str, send: str = "forward") -> agm.AllGatherMatmulConfig:
+def _config(tile_n: int, wg_split: str, send: str = "forward",
+            strip_chunks: int | None = None) -> agm.AllGatherMatmulConfig:
   return agm.AllGatherMatmulConfig(gemm_core.GemmTiles(
       tile_m=64, tile_n=tile_n, tile_k=64, stages=2, wg_split=wg_split,
-      epi_tile_m=64, epi_tile_n=64), send=send)
+      epi_tile_m=64, epi_tile_n=64), send=send, strip_chunks=strip_chunks)
 
 
 def _tile_count(d: int, m_shard: int, config: agm.AllGatherMatmulConfig) -> int:
@@ -169,9 +171,11 @@ def test_cases_cover_what_they_claim():
 def test_kernel_matches_float64_reference(case, interpreter):
   d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = case
   # The send design only changes the exchange, which Pregathered replaces:
-  # both must take the same compute path.
+  # both must take the same compute path. Every third case orders its tiles
+  # in strips of one row chunk (odd strips visit the columns in reverse).
   send = ("forward", "push")[CASES.index(case) % 2]
-  config = _config(tile_n, wg_split, send)
+  strip = 1 if CASES.index(case) % 3 == 0 else None
+  config = _config(tile_n, wg_split, send, strip)
   gathered, w = _inputs(d, m_shard, k, dtype, index, wg_split, tile_n, num_sms)
   out, gathered_out = _run(interpreter(), gathered, w, index, d, config, num_sms)
   assert out.shape == (d * m_shard, N) and out.dtype == dtype
@@ -180,11 +184,15 @@ def test_kernel_matches_float64_reference(case, interpreter):
 
 
 @pytest.mark.timeout(120)
-def test_no_data_races_in_the_pipeline(interpreter):
-  """The interpreter's race detector sees no unordered SMEM/GMEM accesses
-  (TMA ring reuse with 3 K steps over 2 stages, blocks doing 3 tiles each,
-  double-buffered epilogue)."""
-  d, index, m_shard, k, num_sms = 2, 1, 192, 192, 2
+@pytest.mark.parametrize("k,num_sms", [(192, 2), (256, 2), (256, 11)],
+                         ids=["per_tile_ring", "ring_across_tiles", "single_tile_blocks"])
+def test_no_data_races_in_the_pipeline(k, num_sms, interpreter):
+  """The interpreter's race detector sees no unordered SMEM/GMEM accesses:
+  TMA ring reuse over 2 stages with blocks doing several tiles each, and a
+  double-buffered epilogue. 3 K steps: each tile fills and drains the ring;
+  4: the memory warpgroup runs on into the next tile's loads; 11 blocks for
+  12 tiles: blocks with one tile beside one running on."""
+  d, index, m_shard = 2, 1, 192
   config = _config(64, "n")
   assert _tile_count(d, m_shard, config) == 12
   gathered, w = _inputs(d, m_shard, k, BF16, "races")
@@ -215,7 +223,8 @@ def _forwarding_gemm(x, w, tiles, interpret):
   def body(x_ref, w_ref, out_ref, copy_ref):
     wg = lax.axis_index(gemm_core.WG_AXIS)
 
-    def tile(scratch, lin):
+    def tile(scratch, info):
+      lin = info.index[0]
       chunk, n_idx = lin % m_chunks, lin // m_chunks
       rows = pl.ds(chunk * tiles.cta_m, tiles.cta_m)
       cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
@@ -228,14 +237,15 @@ def _forwarding_gemm(x, w, tiles, interpret):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       core(scratch, x_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
-           on_a_tile=forward)
+           on_a_tile=forward, first=info.local_index == 0,
+           last=info.local_index == info.num_local_steps - 1)
 
     @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
                        **core.scratch(x_ref, w_ref))
     def _(**scratch):
       @plgpu.nd_loop((n_tiles,), collective_axes="sm")
       def _(info):
-        tile(scratch, info.index[0])
+        tile(scratch, info)
     gemm_core.final_wait()
 
   out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
@@ -245,11 +255,12 @@ def _forwarding_gemm(x, w, tiles, interpret):
 
 
 @pytest.mark.timeout(120)
-def test_forward_hook_is_race_free(interpreter):
+@pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
+def test_forward_hook_is_race_free(k, interpreter):
   tiles = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
-  rng = _rng("forward-hook")
-  x = rng.standard_normal((128, 192)).astype(BF16)  # 2 row chunks, 3 K steps
-  w = (rng.standard_normal((192, 256)) / np.sqrt(192)).astype(BF16)  # 2 columns
+  rng = _rng("forward-hook", k)
+  x = rng.standard_normal((128, k)).astype(BF16)  # 2 row chunks, 3 or 4 K steps
+  w = (rng.standard_normal((k, 256)) / np.sqrt(k)).astype(BF16)  # 2 columns
   out, copied = _forwarding_gemm(x, w, tiles, interpreter(detect_races=True))
   assert_matmul_close(out, x, w, BF16)
   np.testing.assert_array_equal(np.asarray(copied), x)
@@ -306,6 +317,16 @@ def test_too_much_shared_memory_is_rejected(tiles):
   assert "shared memory" in reason and str(tiles.smem_bytes(2)) in reason
 
 
+@pytest.mark.parametrize("strip", [0, 3, 16])
+def test_strip_not_dividing_the_row_chunks_is_rejected(strip):
+  config = agm.AllGatherMatmulConfig(strip_chunks=strip)  # 1024 / 128 = 8 chunks
+  assert agm.unsupported_reason(1024, 4096, 4096, BF16, config) == (
+      f"config.strip_chunks = {strip} must divide the row chunks per shard,"
+      " M_shard / cta_m = 1024 / 128 = 8.")
+  assert agm.unsupported_reason(1024, 4096, 4096, BF16, dataclasses.replace(
+      config, strip_chunks=4)) is None
+
+
 def test_other_config_types_are_rejected():
   reason = agm.unsupported_reason(1024, 4096, 4096, BF16, gemm_core.GemmTiles())
   assert reason == "config must be an AllGatherMatmulConfig, got GemmTiles."
@@ -351,11 +372,17 @@ def test_default_config_is_supported(m, k, n, dtype):
     if total <= _NUM_SMS:
       assert (config.send, config.pushers) == ("push", None), (axis_size, total, config)
     elif total > 2 * _NUM_SMS:
-      assert config.send == "forward", (axis_size, total, config)
+      # Forward, with the tiles in strips of the most row chunks <= 8 that
+      # divide the shard's chunks.
+      m_chunks = m // t.cta_m
+      strip = max(c for c in range(1, 9) if m_chunks % c == 0)
+      assert (config.send, config.strip_chunks) == ("forward", strip), (axis_size, total, config)
     else:
       idle = _NUM_SMS - total % _NUM_SMS
       want = ("push", idle) if idle >= 32 else ("forward", None)
       assert (config.send, config.pushers) == want, (axis_size, total, config)
+    if total <= 2 * _NUM_SMS:
+      assert config.strip_chunks is None, (axis_size, total, config)
 
 
 def test_default_config_tiles_fit_the_shape_and_the_gpu():
