@@ -83,9 +83,9 @@ class AllGatherMatmulConfig:
       have the fewest or only remote tiles) do the copies; None: all blocks.
     strip_chunks: the tile order within one source's rows: strips of this
       many row chunks, each strip's tiles column by column (its chunks
-      fastest), odd strips' columns in reverse, so that a wave's A rows and B
-      columns stay in L2. None: one strip of all the source's chunks. Must
-      divide M_shard / tiles.cta_m.
+      fastest), odd strips' columns in reverse, for L2 reuse (measured in
+      benchmarks/NOTES.md, AG v7). None: one strip of all the source's
+      chunks. Must divide M_shard / tiles.cta_m.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "push"] = "forward"
