@@ -55,7 +55,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 # blocks pushing 8 MB were slower than all 132).
 _MIN_PUSHERS = 32
 # Row chunks per strip of the tile order when a step spans several waves
-# (2x H200, 4096x8192x7168 per shard: strips of 8 or 16 chunks were 7-9%
+# (2x H200, 4096x8192x7168 per shard: strips of 8 or 16 chunks were 8-10%
 # faster than one strip of 32, 4 in between; benchmarks/NOTES.md AG v7).
 _STRIP_CHUNKS = 8
 
