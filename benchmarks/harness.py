@@ -57,6 +57,12 @@ class Timing:
     one call per session where the profiler could not split N calls apart.
   dispatch_us: best over repetitions of (wall time of N unblocked calls) / N.
   kernels: every kernel of one call on every device, in CUPTI's order.
+  cupti_excl_barrier_us: the median like cupti_us, leaving out the
+    cross-device barrier kernel XLA runs before each collective Mosaic GPU
+    kernel. That kernel is where the first device to arrive waits for the
+    others, so it holds the host's launch skew between devices, not the op's
+    work; a diagnostic beside cupti_us, which stays the figure compared.
+    None on CPU and in records written before this figure existed.
   """
   cupti_us: float | None
   cupti_mean_us: float | None
@@ -65,6 +71,7 @@ class Timing:
   kernels: tuple[Kernel, ...]
   iterations: int
   devices: int
+  cupti_excl_barrier_us: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +133,17 @@ def _cupti_calls(fn, args, iterations: int) -> tuple[list[list[tuple[str, float]
   return ([timings] if iterations == 1 else timings), f"{iterations} calls in one profile"
 
 
+# XLA's cross-device barrier before a collective Mosaic GPU kernel
+# (stream_executor::gpu::MultiGpuBarrierWithNcclKernelImpl).
+XLA_BARRIER_KERNEL = "MultiGpuBarrier"
+
+
 def _per_device_us(call: list[tuple[str, float]], devices: int) -> float:
   return sum(ms for _, ms in call) * 1e3 / devices
+
+
+def _without_barrier(call: list[tuple[str, float]]) -> list[tuple[str, float]]:
+  return [(name, ms) for name, ms in call if XLA_BARRIER_KERNEL not in name]
 
 
 def cupti_us(fn, args, *, iterations: int, devices: int) -> float:
@@ -170,6 +186,8 @@ def measure(fn, args, *, iterations: int) -> Timing:
   return Timing(
       cupti_us=statistics.median(per_call),
       cupti_mean_us=sum(per_call) / len(per_call),
+      cupti_excl_barrier_us=statistics.median(
+          _per_device_us(_without_barrier(call), devices) for call in calls),
       cupti_mode=mode,
       dispatch_us=dispatch,
       kernels=tuple(Kernel(name, ms * 1e3) for name, ms in one_call),

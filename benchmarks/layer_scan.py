@@ -71,6 +71,7 @@ def _measure(fn: Function, layers: int, iterations: int, mesh) -> dict:
   many = harness.measure(scan, (fixed, stacked, *rest), iterations=max(2, iterations // 4))
   return {"single_cupti_us": one.cupti_us, "single_dispatch_us": one.dispatch_us,
           "scan_cupti_us_per_layer": many.cupti_us / layers,
+          "scan_cupti_excl_barrier_us_per_layer": many.cupti_excl_barrier_us / layers,
           "scan_dispatch_us_per_layer": many.dispatch_us / layers}
 
 
@@ -123,7 +124,8 @@ def main(_) -> None:
                         "floor_us": floor.us, **figures})
         print(f"  {fn.name:15s} single {figures['single_cupti_us']:8.1f} /"
               f" {figures['single_dispatch_us']:8.1f}   scan/L"
-              f" {figures['scan_cupti_us_per_layer']:8.1f} /"
+              f" {figures['scan_cupti_us_per_layer']:8.1f}"
+              f" (excl. barrier {figures['scan_cupti_excl_barrier_us_per_layer']:8.1f}) /"
               f" {figures['scan_dispatch_us_per_layer']:8.1f}", flush=True)
   path = pathlib.Path(flags.FLAGS.out_dir) / f"{spmd.device_tag(mesh)}_layer_scan.json"
   path.parent.mkdir(parents=True, exist_ok=True)

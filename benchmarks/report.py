@@ -61,7 +61,7 @@ def one_line(record) -> str:
 
 
 def _table(op, records, comparisons) -> list[str]:
-  header = ("shape", "impl", "role", "CUPTI µs", "disp µs", "floor µs",
+  header = ("shape", "impl", "role", "CUPTI µs", "excl. barrier", "disp µs", "floor µs",
             op.throughput_unit, f"speedup vs {op.speedup_base} c/d",
             f"time / {op.compute_floor} c/d", "err", "flags")
   rows, notes = [], {}
@@ -70,7 +70,8 @@ def _table(op, records, comparisons) -> list[str]:
     if r.status == "ok":
       t = r.timing
       rate = r.throughput_cupti if r.throughput_cupti is not None else r.throughput_dispatch
-      rows.append((r.shape, r.impl, r.role, _fmt(t.cupti_us), _fmt(t.dispatch_us),
+      rows.append((r.shape, r.impl, r.role, _fmt(t.cupti_us), _fmt(t.cupti_excl_barrier_us),
+                   _fmt(t.dispatch_us),
                    _fmt(r.floor.us), _fmt(rate, ".3g"),
                    _pair(cmp[f"speedup_vs_{op.speedup_base}"]),
                    _pair(cmp[f"ratio_to_{op.compute_floor}"]),
@@ -78,7 +79,7 @@ def _table(op, records, comparisons) -> list[str]:
     else:
       reason = r.reason.split(" | ")[0]
       mark = notes.setdefault((r.impl, r.status, reason), len(notes) + 1)
-      rows.append((r.shape, r.impl, r.role, r.status.upper(), "", _fmt(r.floor.us),
+      rows.append((r.shape, r.impl, r.role, r.status.upper(), "", "", _fmt(r.floor.us),
                    "", "", "", "", f"[{mark}]"))
   widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
   line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()

@@ -283,7 +283,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, ROWS)], q_smem, q_loaded)
       start = split * chunk
       length = chunk if kv_lens is None else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk)
-      plgpu.barrier_wait(q_loaded)
+      steps = pl.cdiv(length, config.block_kv)
 
       def matmul(a_smem, b_smem, n):
         def run(acc):
@@ -292,6 +292,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
 
       def step(idxs, k_smem, v_smem, carry):
+        # q lands while the pipeline's first K/V loads are in flight.
+        pl.when(idxs[0] == 0)(lambda: plgpu.barrier_wait(q_loaded))
         acc, m, l = carry
         scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
         if kv_lens is not None:
@@ -310,12 +312,13 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       spec = plgpu.BlockSpec((config.block_kv, dh), lambda i: (i, 0), transforms=swizzled)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       acc, m, l = plgpu.emit_pipeline(
-          step, grid=(pl.cdiv(length, config.block_kv),), in_specs=[spec, spec],
+          step, grid=(steps,), in_specs=[spec, spec],
           max_concurrent_steps=config.stages,
           init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA),
                       plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
                       plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
       )(k_ref.at[batch, pl.ds(start, chunk), head], v_ref.at[batch, pl.ds(start, chunk), head])
+      pl.when(steps == 0)(lambda: plgpu.barrier_wait(q_loaded))  # keep the barrier's phase
 
       some = l > 0
       safe_l = jnp.where(some, l, 1.0)
