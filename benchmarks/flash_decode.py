@@ -64,13 +64,13 @@ def setup(shape: shapes.FlashDecodeShape, mesh) -> dict:
   }
 
 
-def _ours_fn(mesh, impl: str):
+def ours_fn(mesh, impl: str):
   body = functools.partial(jax_overlap.flash_decode, axis_name=AXIS, impl=impl)
   return spmd.per_shard(body, mesh, (Q_SPEC, KV_SPEC, KV_SPEC), OUT_SPEC)
 
 
 def reference(inputs: dict, mesh) -> jax.Array:
-  return _ours_fn(mesh, "xla_bsp")(inputs["q"], inputs["k"], inputs["v"])
+  return ours_fn(mesh, "xla_bsp")(inputs["q"], inputs["k"], inputs["v"])
 
 
 def _decode_attention():
@@ -115,7 +115,7 @@ def _local_floor(q, k, v):
                                    lax.axis_index(AXIS) * s_shard)
 
 
-def _pallas_local(q, k, v):
+def local_kernel(q, k, v):
   """Our kernel over this device's slice alone (axis_name=None: its splits
   merged in-kernel, no exchange): the attention over the local slice."""
   b, hq, dh = q.shape
@@ -135,7 +135,7 @@ def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runn
       *[jax.ShapeDtypeStruct((shape.b, shape.s_total // mesh.size, shape.hkv, shape.dh),
                              DTYPE)] * 2,
       axis_size=mesh.size, impl=impl)
-  ours = lambda impl: runner.Built(_ours_fn(mesh, impl), args)
+  ours = lambda impl: runner.Built(ours_fn(mesh, impl), args)
 
   def gqa_bsp() -> runner.Built:
     cases.require_gpu("decode_attention.gqa is a Pallas Triton kernel")
@@ -154,7 +154,7 @@ def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runn
 
   def pallas_local() -> runner.Built:
     cases.require_hopper("our decode kernel")
-    return runner.Built(spmd.per_shard(_pallas_local, mesh, kv_specs, P(AXIS)), args)
+    return runner.Built(spmd.per_shard(local_kernel, mesh, kv_specs, P(AXIS)), args)
   return [
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp")),
       runner.Case("gqa_bsp", "baseline", gqa_bsp),

@@ -31,7 +31,7 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
-STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan}"
+STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan kernel_profile}"
 
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
@@ -59,6 +59,10 @@ for bench in matmul_reduce_scatter flash_decode; do
   step "$bench" python3 -m "benchmarks.$bench" --out_dir="$OUT" --iterations="$ITERATIONS"
 done
 step layer_scan python3 -m benchmarks.layer_scan --out_dir="$OUT" --iterations="$ITERATIONS"
+# In-kernel timelines (benchmarks/kernel_profile.py) at a shape of each kernel.
+step kernel_profile bash -c 'python3 -m benchmarks.kernel_profile --op=all_gather_matmul \
+    --shape=1024,4096,4096 --trace_dir="$0/traces" && python3 -m benchmarks.kernel_profile \
+    --op=flash_decode --shape=8,64,8,128,8192 --trace_dir="$0/traces"' "$OUT"
 
 for json in "$OUT"/*.json; do
   [ -e "$json" ] && cp "$json" benchmarks/results/

@@ -99,7 +99,7 @@ def _flash_decode(shape, mesh) -> list[Function]:
       Function("pallas", by_q(ours), (k, inputs["q"], v), (kv_specs[0], fd_bench.Q_SPEC, kv_specs[1]), out),
       Function("mqa_native_bsp", by_q(fd_bench._mqa_native_bsp), (to_native(k), inputs["q"], to_native(v)),
                (native_specs[0], fd_bench.Q_SPEC, native_specs[1]), out),
-      Function("pallas_local", by_q(fd_bench._pallas_local), (k, inputs["q"], v),
+      Function("pallas_local", by_q(fd_bench.local_kernel), (k, inputs["q"], v),
                (kv_specs[0], fd_bench.Q_SPEC, kv_specs[1]), P(AXIS)),
   ]
 

@@ -26,6 +26,10 @@ cross-device barrier before every launch of a collective Mosaic GPU kernel,
 so no device writes into a peer's buffer before that peer has entered the
 same call.
 
+Named scopes mark the phases for Mosaic GPU's in-kernel profiler
+(`plgpu.CompilerParams(profile_space=..., profile_dir=...)`): local_tile,
+forward, signal, wait_chunk, remote_tile (tile without the exchange).
+
 Exchange seam: with `Pregathered`, the kernel takes the gathered x as an
 input, reads every tile's rows from it, and does no remote copies, signals or
 waits; it computes one given device's output on a single device. The
@@ -252,6 +256,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
       def forward(k_idx, a_smem):
         @pl.when(forwards & (lax.rem(k_idx, forwarders) == visit))
+        @jax.named_scope("forward")
         def _():
           cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
           for offset in range(1, d):
@@ -262,6 +267,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
       def signal_chunk():
         @pl.when(forwards)
+        @jax.named_scope("signal")
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           for offset in range(1, d):
@@ -269,10 +275,12 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
                                 device_id={axis_name: lax.rem(me + offset, d)})
 
       if not exchange:
-        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
+        with jax.named_scope("tile"):
+          core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
         return
 
       @pl.when(step == 0)
+      @jax.named_scope("local_tile")
       def _local():
         local_rows = x_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m)]
         if forward_mode:
@@ -286,8 +294,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
       @pl.when(step > 0)
       def _remote():
-        pl.semaphore_wait(arrived.at[src, chunk], expected, decrement=False)
-        core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
+        with jax.named_scope("wait_chunk"):
+          pl.semaphore_wait(arrived.at[src, chunk], expected, decrement=False)
+        with jax.named_scope("remote_tile"):
+          core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
 
     def push(stage, loaded):
       """Warpgroup 0 of the r-th of the last `pushers` blocks sends pieces

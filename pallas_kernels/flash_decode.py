@@ -33,6 +33,9 @@ SMs concurrently, not seen). Calls are safe back to back: XLA zeroes the
 semaphores and runs a cross-device barrier before each launch of a collective
 Mosaic GPU kernel, so no device writes into a peer before it has entered.
 
+Named scopes mark the phases for Mosaic GPU's in-kernel profiler: attend,
+deliver (inside attend), merge, wait_partials (inside merge).
+
 Exchange seam: with `Received`, the peers' partials are an input; each item
 copies its peers' rows from it into the receive buffers where the peers would
 have stored them, and there are no signals or waits. One device then computes
@@ -238,6 +241,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       first, last = row // ROWS, (row + group - 1) // ROWS
       return first, last
 
+    @jax.named_scope("deliver")
     def deliver(o_smem, lse_smem, window, row, slot):
       """Stores an item's rows into every device's receive buffers (the
       seam: into this one's, plus the peers' rows from `received`)."""
@@ -273,6 +277,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           pl.run_scoped(lambda loaded, peer=peer: relay(peer, loaded),
                         plgpu.Barrier(num_arrivals=2))
 
+    @jax.named_scope("attend")
     def attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem):
       """Phase 1: the partial of (batch, KV head, split) = item."""
       bh, split = item // splits, lax.rem(item, splits)
@@ -328,13 +333,15 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       plgpu.commit_smem()
       deliver(o_smem, lse_smem, window, row, me * splits + split)
 
+    @jax.named_scope("merge")
     def merge(item, out_smem):
       """Phase 2: output tile x column chunk = item, from all its partials."""
       tile, col = item // col_chunks, lax.rem(item, col_chunks)
       if exchange:
         first = tile * ROWS // group
         last = jnp.minimum((tile * ROWS + ROWS - 1) // group, b * hkv - 1)
-        pl.semaphore_wait(ready.at[tile], (last - first + 1) * partials, decrement=False)
+        with jax.named_scope("wait_partials"):
+          pl.semaphore_wait(ready.at[tile], (last - first + 1) * partials, decrement=False)
 
       def step(_, o_smem, lse_smem, carry):
         acc, m, l = carry

@@ -1,0 +1,36 @@
+"""benchmarks.kernel_profile: the trace summary and the profiling patch (CPU)."""
+
+import pytest
+from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks import kernel_profile
+
+
+def _event(ph, name, tid, ts):
+  return {"ph": ph, "name": name, "tid": tid, "pid": 1, "ts": ts}
+
+
+def test_summary_of_nested_spans_on_two_warpgroups():
+  trace = {"traceEvents": [
+      _event("B", "tile", 1, 100.0), _event("B", "wait", 1, 101.0),
+      _event("E", "wait", 1, 103.0), _event("E", "tile", 1, 110.0),
+      _event("B", "tile", 2, 102.0), _event("E", "tile", 2, 106.0),
+  ]}
+  span, stats = kernel_profile.summarize(trace)
+  assert span == 10.0
+  tile, wait = stats
+  assert (tile.name, tile.count, tile.median, tile.longest) == ("tile", 2, 7.0, 10.0)
+  assert (tile.per_thread, tile.first_start, tile.median_start, tile.last_end) == (7.0, 0.0, 1.0, 10.0)
+  assert (wait.name, wait.count, wait.median, wait.first_start, wait.last_end) == (
+      "wait", 1, 2.0, 1.0, 3.0)
+
+
+def test_profiling_restores_what_it_patches_even_on_error(tmp_path):
+  kernel, dump = plgpu.kernel, mgpu_profiler.ProfilerSpec.dump
+  with pytest.raises(RuntimeError):
+    with kernel_profile.profiling(tmp_path):
+      assert plgpu.kernel is not kernel
+      assert mgpu_profiler.ProfilerSpec.dump is not dump
+      raise RuntimeError("boom")
+  assert plgpu.kernel is kernel and mgpu_profiler.ProfilerSpec.dump is dump
