@@ -60,8 +60,10 @@ class Timing:
   cupti_excl_barrier_us: the median like cupti_us, leaving out the
     cross-device barrier kernel XLA runs before each collective Mosaic GPU
     kernel. That kernel is where the first device to arrive waits for the
-    others, so it holds the host's launch skew between devices, not the op's
-    work; a diagnostic beside cupti_us, which stays the figure compared.
+    others, so it holds the skew between devices, not the op's work; a
+    diagnostic beside cupti_us, which stays the figure compared. It is not a
+    reachable time: a kernel that syncs with its peers itself pays that skew
+    inside the kernel instead (benchmarks/NOTES.md, AG v10).
     None on CPU and in records written before this figure existed.
   """
   cupti_us: float | None
