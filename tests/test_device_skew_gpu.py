@@ -28,14 +28,9 @@ from jax.sharding import PartitionSpec as P
 import jax_overlap
 import reference
 import testkit
-from pallas_kernels import platform
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.timeout(300, method="thread"),
-    pytest.mark.skipif(platform.hopper_unavailable_reason() is not None,
-                       reason=str(platform.hopper_unavailable_reason())),
-]
+# Skipped without 2+ Hopper GPUs (tests/conftest.py); a hang fails the test.
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300, method="thread")]
 
 AXIS = testkit.AXIS
 D = len(jax.devices())
@@ -57,7 +52,6 @@ def _late(x, i):
   return lax.cond(lax.axis_index(AXIS) == lax.rem(i, D), busy, lambda x: x, x)
 
 
-@pytest.mark.skipif(D < 2, reason="needs 2+ GPUs")
 def test_skewed_entries_back_to_back_kernels_in_a_scan():
   mesh = testkit.mesh_1d(D)
   rng = testkit.rng("skew", D)
