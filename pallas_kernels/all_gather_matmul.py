@@ -12,14 +12,21 @@ local rows reach the peers' receive buffers in one of two ways (config.send):
 "forward" TMA-stores each A tile of the local shard to the peers while it
 sits in shared memory for the `wgmma` of one of its row chunk's first tiles
 (no extra HBM read; the chunk's K steps are spread over several such tiles)
-and signals when that tile's K loop ends; "push" has some blocks copy pieces
-of the shard to the peers before their first tile and signal them. A tile of
-a remote step waits only for its own (source, chunk) semaphore:
-per-chunk dataflow, no global barrier. Neither sender ever waits for a peer,
-and a block finishes its sends before it waits for anything, so the exchange
-cannot deadlock as long as every block of the persistent grid (at most one per
-SM) is resident at once; a kernel that XLA ran concurrently on another stream
-and that held SMs could break that (not seen; the grid is sized to the SMs).
+and signals when that tile's K loop ends; a tile of a remote step waits for
+its own (source, chunk) semaphore. "push" has some blocks copy pieces
+[cta_m, push_cols] of the shard to the peers in K order before their first
+tile (the grid spans every SM, so at one wave of tiles the SMs without a tile
+push) and signal each piece once it has landed; a remote tile's memory
+warpgroup waits for each group of its chunk's pieces (groups of 2, 2, 4, 8, ...
+pieces) just before it loads the group's first K step, so it starts once the
+first group is in. At one wave, a local tile also waits for the first group
+of the next source's same chunk, so that local and remote tiles of a column
+run side by side and stream B from HBM once. Per-chunk or per-group dataflow,
+no global barrier. Neither sender ever waits for a peer, and a block finishes
+its sends before it waits for anything, so the exchange cannot deadlock as
+long as every block of the persistent grid (at most one per SM) is resident
+at once; a kernel that XLA ran concurrently on another stream and that held
+SMs could break that (not seen; the grid is sized to the SMs).
 
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,
@@ -28,7 +35,8 @@ same call.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler
 (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`): local_tile,
-forward, signal, wait_chunk, remote_tile (tile without the exchange).
+forward, signal, wait_chunk, remote_tile, and in the memory warpgroup
+wait_group and pace (tile without the exchange).
 
 Exchange seam: with `Pregathered`, the kernel takes the gathered x as an
 input, reads every tile's rows from it, and does no remote copies, signals or
@@ -43,6 +51,7 @@ JAX's own Hopper matmul shows too.)
 
 import dataclasses
 import functools
+import itertools
 from typing import Literal
 
 import jax
@@ -55,9 +64,20 @@ from pallas_kernels import gemm_core
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
-# Fewer pushing blocks than this leave NVLink underused (2x H200: 16 tail
-# blocks pushing 8 MB were slower than all 132).
+# Fewer pushing blocks than this leave NVLink underused when they also have
+# tiles to compute (2x H200: 16 tail blocks pushing 8 MB were slower than all
+# 132).
 _MIN_PUSHERS = 32
+# Tile-less blocks send at about 43 GB/s each; 8 of them fill a direction of
+# NVLink (2x H200, benchmarks/NOTES.md: TMA stores to the peer). More than 12
+# put more pieces on the link in the first round and delay the first group
+# (2x H200, 128 x 8192 x 7168 per shard: 63.4 µs with 12, 64.4 with 20, 66.1
+# with 32; AG v12).
+_MIN_IDLE_PUSHERS = 8
+_MAX_IDLE_PUSHERS = 12
+# Pieces of each row chunk in the first group that a remote tile of the
+# "push" send waits for (2 x 256 columns: 8 K steps of 64).
+_FIRST_GROUP_PIECES = 2
 # Row chunks per strip of the tile order when a step spans several waves
 # (2x H200, 4096x8192x7168 per shard: strips of 8 or 16 chunks were 8-10%
 # faster than one strip of 32, 4 in between; benchmarks/NOTES.md AG v7).
@@ -77,14 +97,15 @@ class AllGatherMatmulConfig:
         the K steps of a row chunk spread over its first tiles; each
         signals when its K loop ends. Best when the tiles take several waves,
         so remote tiles never wait.
-      "push": before its GEMM tiles, warpgroup 0 of each of the last
-        `pushers` blocks copies pieces [cta_m, push_cols] of the local shard
-        HBM -> SMEM -> peers and signals them; the other blocks start
-        computing at once. The shard is at the peers after about its NVLink
-        transfer time; best when the tiles take one or two waves (small M),
-        where "forward" makes remote tiles wait a whole local K loop.
-    pushers: with "push", how many blocks (the last ones of the grid, which
-      have the fewest or only remote tiles) do the copies; None: all blocks.
+      "push": before its GEMM tiles (if it has any), warpgroup 0 of each of
+        the last `pushers` blocks copies pieces [cta_m, push_cols] of the
+        local shard HBM -> SMEM -> peers in K order and signals each once it
+        has landed; remote tiles start once their chunk's first K pieces are
+        in. Best when the tiles take one or two waves (small M), where
+        "forward" makes remote tiles wait a whole local K loop.
+    pushers: with "push", how many blocks do the copies: the last ones of
+      the grid, which have the fewest tiles or none (the grid spans every SM
+      with "push"), the last block taking the first pieces; None: all blocks.
     strip_chunks: the tile order within one source's rows: strips of this
       many row chunks, each strip's tiles column by column (its chunks
       fastest), odd strips' columns in reverse, for L2 reuse (measured in
@@ -106,9 +127,10 @@ class AllGatherMatmulConfig:
                strip_chunks=d.get("strip_chunks"))
 
   def push_cols(self, k: int) -> int:
-    """Columns of one pushed piece: the widest TMA box (<= 256) dividing K,
-    a multiple of tiles.tile_k >= 64."""
-    return next(c for c in (256, 128, 64) if k % c == 0)
+    """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
+    divides K and is a multiple of tiles.tile_k (K is one)."""
+    tile_k = self.tiles.tile_k
+    return next((c for c in (256, 128, 64) if k % c == 0 and c % tile_k == 0), tile_k)
 
 
 def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
@@ -118,9 +140,11 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   Tiles: of the CTA tiles that divide the shape, the one with the least
   estimated time, waves x tile area, small tiles taxed for their lower wgmma
   efficiency (at 128x8192x7168 per shard, 128x256 tiles fill 56 of 132 SMs).
-  Send: "push" for one wave, or two waves with many idle blocks; else
-  "forward", with the tiles in strips of row chunks when there are more than
-  two waves (benchmarks/NOTES.md has the measurements behind these rules).
+  Send: "push" for one wave (by up to 12 of the SMs without a tile if there
+  are 8 or more of them, else by all blocks), or two waves with many idle
+  blocks; else "forward", with the tiles in strips of row chunks when there
+  are more than two waves (benchmarks/NOTES.md has the measurements behind
+  these rules).
   """
   itemsize = jnp.dtype(dtype).itemsize
   best = None
@@ -142,12 +166,14 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
     m_chunks = m_shard // tiles.cta_m
     strip = max(c for c in range(1, _STRIP_CHUNKS + 1) if m_chunks % c == 0)
     return AllGatherMatmulConfig(tiles, "forward", strip_chunks=strip)
-  # One wave: every block pushes (the remote tiles wait for the whole shard,
-  # so the more senders the better). Two waves: the blocks with a tile fewer
-  # push, if there are enough of them to keep NVLink busy; else forward.
+  # One wave: the SMs without a tile push, so that the local tiles start at
+  # once; too few of them, and every block pushes. Two waves: the blocks with
+  # a tile fewer push, if there are enough of them to keep NVLink busy; else
+  # forward.
+  idle = -total % num_sms  # blocks with a tile fewer than the others
   if total <= num_sms:
-    return AllGatherMatmulConfig(tiles, "push")
-  idle = num_sms - total % num_sms
+    pushers = min(idle, _MAX_IDLE_PUSHERS) if idle >= _MIN_IDLE_PUSHERS else None
+    return AllGatherMatmulConfig(tiles, "push", pushers)
   if idle >= _MIN_PUSHERS:
     return AllGatherMatmulConfig(tiles, "push", idle)
   return AllGatherMatmulConfig(tiles, "forward")
@@ -210,21 +236,35 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   n_tiles = n // tiles.cta_n
   tiles_per_step = m_chunks * n_tiles
   strip = config.strip_chunks or m_chunks
-  grid = min(num_sms, d * tiles_per_step)
+  remote = exchange and d > 1
   forward_mode = exchange and config.send == "forward"
   push_mode = exchange and config.send == "push"
+  # Pushing, the grid spans every SM: blocks past the last tile only push.
+  grid = num_sms if push_mode else min(num_sms, d * tiles_per_step)
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
   pushers = grid if config.pushers is None else min(config.pushers, grid)
-  remote = exchange and d > 1
   push_cols = config.push_cols(k)
   pieces_per_chunk = k // push_cols
+  # A remote tile waits once per group of K pieces, the groups doubling in
+  # size: the first lands after one round trip, and a satisfied wait still
+  # delays the memory warpgroup's next load by ~0.3 µs, which a wait every
+  # piece (4 K steps) would put on the critical path (benchmarks/NOTES.md,
+  # AG v12). group_starts[i]: the first piece of group i; the last entry is
+  # pieces_per_chunk.
+  group_starts = [0, *itertools.takewhile(
+      lambda b: b < pieces_per_chunk,
+      (_FIRST_GROUP_PIECES << i for i in itertools.count())), pieces_per_chunk]
+  steps_per_piece = push_cols // tiles.tile_k
+  # Pushing with every tile in one wave, a local tile starts when the remote
+  # tiles of its columns can: B streams from HBM once for both and is reused
+  # from L2, instead of twice when the local tiles run ahead (2x H200, 128 x
+  # 8192 x 7168 per shard: 64.0 µs against 66.5 racing ahead, AG v12).
+  paced = push_mode and remote and d * tiles_per_step <= num_sms
   # Forward mode: chunk c is forwarded by the first F of its tiles in the tile
   # order, the j-th taking the K steps k = j mod F, so no tile stalls on all
   # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
   # one wave.
   forwarders = min(n_tiles, max(1, grid // strip))
-  # Signals a chunk receives from its source before it is complete.
-  expected = forwarders if forward_mode else pieces_per_chunk
 
   def body(x_ref, w_ref, *refs):
     if exchange:
@@ -236,7 +276,12 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       gathered_ref, out_ref = refs
       me = pregathered.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
-    arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks))) if remote else None
+    # arrived[src, chunk, part]: signals from src for that part of its rows
+    # (forward: one part per chunk; push: one per group of pushed pieces).
+    parts = len(group_starts) - 1 if push_mode else 1
+    arrived = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks, parts)))
+               if remote else None)
+    peers = [{axis_name: lax.rem(me + offset, d)} for offset in range(1, d)] if remote else []
 
     def tile(scratch, info):
       lin = info.index[0]
@@ -259,8 +304,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         @jax.named_scope("forward")
         def _():
           cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
-          for offset in range(1, d):
-            peer = {axis_name: lax.rem(me + offset, d)}
+          for peer in peers:
             plgpu.copy_smem_to_gmem(a_smem, plgpu.remote_ref(gathered_ref, peer).at[dst_rows, cols])
           plgpu.copy_smem_to_gmem(a_smem, gathered_ref.at[dst_rows, cols])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage is released next
@@ -270,14 +314,22 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         @jax.named_scope("signal")
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          for offset in range(1, d):
-            pl.semaphore_signal(arrived.at[me, chunk], 1,
-                                device_id={axis_name: lax.rem(me + offset, d)})
+          for peer in peers:
+            pl.semaphore_signal(arrived.at[me, chunk, 0], 1, device_id=peer)
 
       if not exchange:
         with jax.named_scope("tile"):
           core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
         return
+
+      def pace(k_idx):
+        """A local tile's memory warpgroup, before its first load: the next
+        source's first group of this chunk is here (see `paced`)."""
+        @pl.when(k_idx == 0)
+        @jax.named_scope("pace")
+        def _():
+          pl.semaphore_wait(arrived.at[lax.rem(me + 1, d), chunk, 0], group_starts[1],
+                            decrement=False)
 
       @pl.when(step == 0)
       @jax.named_scope("local_tile")
@@ -286,54 +338,81 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         if forward_mode:
           core(scratch, local_rows, b_cols, out_tile,
                on_a_tile=forward, after_k=signal_chunk if remote else None, **order)
+        elif paced:
+          core(scratch, local_rows, b_cols, out_tile, before_load=pace, **order)
         else:
           core(scratch, local_rows, b_cols, out_tile, **order)
 
       if not remote:  # one device: every tile is local
         return
 
+      def wait_group(k_idx):
+        """The memory warpgroup, before loading step k_idx: if it starts a
+        group of pieces, the group is here."""
+        for group, (start, end) in enumerate(itertools.pairwise(group_starts)):
+          @pl.when(k_idx == start * steps_per_piece)
+          @jax.named_scope("wait_group")
+          def _():
+            pl.semaphore_wait(arrived.at[src, chunk, group], end - start, decrement=False)
+
       @pl.when(step > 0)
       def _remote():
+        if push_mode:
+          with jax.named_scope("remote_tile"):
+            core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile,
+                 before_load=wait_group, **order)
+          return
         with jax.named_scope("wait_chunk"):
-          pl.semaphore_wait(arrived.at[src, chunk], expected, decrement=False)
+          pl.semaphore_wait(arrived.at[src, chunk, 0], forwarders, decrement=False)
         with jax.named_scope("remote_tile"):
           core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
 
-    def push(stage, loaded):
-      """Warpgroup 0 of the r-th of the last `pushers` blocks sends pieces
-      r, r + pushers, ... of the shard, waits for them to land, signals them."""
-      rank = lax.axis_index("sm") - (grid - pushers)
+    def push(stages, loaded):
+      """Warpgroup 0 of the r-th block from the grid's end sends pieces r,
+      r + pushers, ... of the shard (K-major: piece p holds row chunk
+      p % m_chunks, columns (p // m_chunks) * push_cols onwards, so every
+      chunk's first K steps go first), and signals each piece at the peers
+      as soon as it has landed there; the next piece loads meanwhile."""
+      rank = grid - 1 - lax.axis_index("sm")
+      num_pieces = m_chunks * pieces_per_chunk
+      mine = jnp.maximum(num_pieces - rank + pushers - 1, 0) // pushers
 
-      def piece_slices(p):
-        chunk, kp = p // pieces_per_chunk, p % pieces_per_chunk
-        return chunk, pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(kp * push_cols, push_cols)
+      def piece(j):
+        p = rank + j * pushers
+        chunk, kp = p % m_chunks, p // m_chunks
+        return chunk, kp, pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(kp * push_cols, push_cols)
 
-      @pl.when((wg == 0) & (rank >= 0))
+      def load(j):
+        _, _, rows, cols = piece(j)
+        slot = lax.rem(j, 2)
+        plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], stages.at[slot], loaded.at[slot])
+
+      @pl.when((wg == 0) & (rank < pushers) & (mine > 0))
       def _():
-        @pl.loop(rank, m_chunks * pieces_per_chunk, step=pushers)
-        def _(p):
-          _, rows, cols = piece_slices(p)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage is free again
-          plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], stage, loaded)
-          plgpu.barrier_wait(loaded)
+        load(0)
+
+        @pl.loop(0, mine)
+        def _(j):
+          chunk, kp, rows, cols = piece(j)
+          slot = lax.rem(j, 2)
+          plgpu.barrier_wait(loaded.at[slot])
           dst = pl.ds(me * m_shard + rows.start, tiles.cta_m)
-          for offset in range(1, d):
-            peer = {axis_name: lax.rem(me + offset, d)}
-            plgpu.copy_smem_to_gmem(stage, plgpu.remote_ref(gathered_ref, peer).at[dst, cols])
-          plgpu.copy_smem_to_gmem(stage, gathered_ref.at[dst, cols])
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-        @pl.loop(rank, m_chunks * pieces_per_chunk, step=pushers)
-        def _(p):
-          chunk, _, _ = piece_slices(p)
-          for offset in range(1, d):
-            pl.semaphore_signal(arrived.at[me, chunk], 1,
-                                device_id={axis_name: lax.rem(me + offset, d)})
+          for peer in peers:
+            plgpu.copy_smem_to_gmem(stages.at[slot],
+                                    plgpu.remote_ref(gathered_ref, peer).at[dst, cols])
+          plgpu.copy_smem_to_gmem(stages.at[slot], gathered_ref.at[dst, cols])
+          # The other stage's last stores (piece j - 1's) landed at the end of
+          # the previous step: load piece j + 1 there while piece j lands.
+          pl.when(j + 1 < mine)(lambda: load(j + 1))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          group = sum((kp >= start).astype(jnp.int32) for start in group_starts[1:-1])
+          for peer in peers:
+            pl.semaphore_signal(arrived.at[me, chunk, group], 1, device_id=peer)
 
     if push_mode:
-      pl.run_scoped(push, plgpu.SMEM((tiles.cta_m, push_cols), x.dtype),
-                    plgpu.Barrier(num_arrivals=1), collective_axes=gemm_core.WG_AXIS)
+      pl.run_scoped(push, plgpu.SMEM((2, tiles.cta_m, push_cols), x.dtype),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=2),
+                    collective_axes=gemm_core.WG_AXIS)
 
     @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
                        **core.scratch(x_ref, w_ref))

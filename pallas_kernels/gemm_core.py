@@ -10,8 +10,10 @@ Kernels drive the core tile by tile from their own schedules, and can hook into
 it: `on_a_tile(k_idx, a_smem)` sees each A tile while it sits in shared memory
 (e.g. to forward it to a peer with no extra HBM read; a copy issued from it
 must have finished reading it before the hook returns, because the stage is
-released right after), and `after_k()` runs in the compute warpgroups once the
-tile's K loop is done.
+released right after), `after_k()` runs in the compute warpgroups once the
+tile's K loop is done, and `before_load(k_idx)` runs in the memory warpgroup
+just before it issues step k_idx's loads (e.g. to wait for a peer's rows to
+arrive without stalling the compute warpgroups on the steps before them).
 """
 
 from collections.abc import Callable
@@ -107,8 +109,18 @@ class TileMatmul:
     self.dtype = jnp.dtype(dtype)
     self.out_dtype = jnp.dtype(out_dtype)
 
-  def _pipeline(self, body, compute_context, state=None):
+  def _pipeline(self, body, compute_context, state=None, before_load=None):
     t = self.tiles
+
+    def a_index(kk):
+      # The pipeline evaluates an input's index map in the memory warpgroup,
+      # right before it issues that input's copy for step kk, and nowhere else
+      # (jax 0.11.2, `BufferedRef.copy_in`): the hook runs there. A's copy is
+      # issued before B's, so the hook precedes both of the step's loads.
+      if before_load is not None:
+        before_load(kk)
+      return 0, kk
+
     spec = functools.partial(
         plgpu.BlockSpec,
         transforms=_smem_transforms(t.tile_k, self.dtype),
@@ -119,7 +131,7 @@ class TileMatmul:
         grid=(self.k_steps,),
         memory_registers=40,
         in_specs=[
-            spec((t.cta_m, t.tile_k), lambda kk: (0, kk)),
+            spec((t.cta_m, t.tile_k), a_index),
             spec((t.tile_k, t.cta_n), lambda kk: (kk, 0)),
         ],
         wg_axis=WG_AXIS,
@@ -149,6 +161,7 @@ class TileMatmul:
       out_tile,
       on_a_tile: Callable | None = None,
       after_k: Callable | None = None,
+      before_load: Callable | None = None,
       first=None,
       last=None,
   ) -> None:
@@ -163,6 +176,10 @@ class TileMatmul:
         Copies it issues from a_smem must be done reading when it returns.
       after_k: called by both compute warpgroups after the last K step, before
         the epilogue.
+      before_load: called as before_load(k_idx) by the memory warpgroup just
+        before it issues step k_idx's loads of A and B (up to `stages` steps
+        ahead of the wgmma that reads them). What it waits for, the loads
+        see: e.g. a semaphore that says a peer's rows have landed.
       first, last: whether this is the block's first and last tile (traced
         booleans), or None. Given, and with K steps a multiple of the stages,
         the memory warpgroup runs on into the next tile's loads while the
@@ -193,7 +210,7 @@ class TileMatmul:
                        out_tile.at[wg_rows, wg_cols], scratch["out_smem"].at[wg])
 
     def run(state):
-      self._pipeline(mma, compute_context, state)(
+      self._pipeline(mma, compute_context, state, before_load)(
           a_rows, b_cols, allocations=scratch["pipeline"])
 
     if first is None or self.k_steps % t.stages:

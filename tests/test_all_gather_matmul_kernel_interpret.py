@@ -267,6 +267,75 @@ def test_forward_hook_is_race_free(k, interpreter):
   assert not interpret_pallas_call.get_races().races_found
 
 
+# --- the GEMM core's memory-side hook (what the "push" send's waits rely on) --
+#
+# A remote tile of the "push" send waits in `before_load` for a piece's
+# semaphore, so the memory warpgroup must run the hook for step k before it
+# issues step k's loads, and only then. Semaphores cannot run in the
+# interpreter, so here the hook itself makes the data arrive: it TMA-copies
+# step k's A columns from x into the (uninitialized) buffer that the core then
+# loads A from, and waits for them to land. Were a load issued before its
+# step's hook, it would read unset data (and race with the hook's store).
+
+
+def _arriving_gemm(x, w, tiles, interpret):
+  """(x @ w, the A buffer): A reaches the core's operand buffer step by step
+  through `before_load` only."""
+  m, k = x.shape
+  n = w.shape[1]
+  m_chunks = m // tiles.cta_m
+  n_tiles = m_chunks * (n // tiles.cta_n)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+
+  def body(x_ref, w_ref, out_ref, a_ref, landing, landed):
+    def tile(scratch, info):
+      lin = info.index[0]
+      chunk, n_idx = lin % m_chunks, lin // m_chunks
+      rows = pl.ds(chunk * tiles.cta_m, tiles.cta_m)
+      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+
+      def arrive(k_idx):
+        step_cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
+        plgpu.copy_gmem_to_smem(x_ref.at[rows, step_cols], landing, landed)
+        plgpu.barrier_wait(landed)
+        plgpu.copy_smem_to_gmem(landing, a_ref.at[rows, step_cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+      core(scratch, a_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
+           before_load=arrive, first=info.local_index == 0,
+           last=info.local_index == info.num_local_steps - 1)
+
+    @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
+                       **core.scratch(x_ref, w_ref))
+    def _(**scratch):
+      @plgpu.nd_loop((n_tiles,), collective_axes="sm")
+      def _(info):
+        tile(scratch, info)
+    gemm_core.final_wait()
+
+  def kernel(x_ref, w_ref, out_ref, a_ref):
+    pl.run_scoped(functools.partial(body, x_ref, w_ref, out_ref, a_ref),
+                  plgpu.SMEM((tiles.cta_m, tiles.tile_k), x.dtype),
+                  plgpu.Barrier(num_arrivals=1), collective_axes=gemm_core.WG_AXIS)
+
+  out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
+  return gemm_core.launch(kernel, out_type=out_type, num_sms=1,
+                          interpret=interpret)(jnp.asarray(x), jnp.asarray(w))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
+def test_before_load_hook_precedes_the_steps_loads(k, interpreter):
+  tiles = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
+  rng = _rng("before-load-hook", k)
+  x = rng.standard_normal((128, k)).astype(BF16)  # 2 row chunks, 3 or 4 K steps
+  w = (rng.standard_normal((k, 256)) / np.sqrt(k)).astype(BF16)  # 2 columns
+  out, a = _arriving_gemm(x, w, tiles, interpreter(detect_races=True))
+  np.testing.assert_array_equal(np.asarray(a), x)
+  assert_matmul_close(out, x, w, BF16)
+  assert not interpret_pallas_call.get_races().races_found
+
+
 # --- unsupported_reason and default_config --------------------------------
 
 _DEFAULT = agm.AllGatherMatmulConfig()  # 128 x 256 CTA tiles, tile_k 64
@@ -365,12 +434,16 @@ def test_default_config_is_supported(m, k, n, dtype):
     assert isinstance(config, agm.AllGatherMatmulConfig)
     assert agm.unsupported_reason(m, k, n, dtype, config) is None, (axis_size, config)
     assert config.tiles.smem_bytes(jnp.dtype(dtype).itemsize) <= gemm_core.SMEM_BYTES
-    # The documented send heuristic: all blocks push for one wave of tiles;
-    # forward beyond two; in between, push by >= 32 idle blocks, else forward.
+    # The documented send heuristic: one wave of tiles pushes, from up to 12
+    # of the tile-less SMs if there are >= 8, else from all blocks; forward beyond
+    # two waves; in between, push by >= 32 blocks with a tile fewer, else
+    # forward.
     t = config.tiles
     total = axis_size * (m // t.cta_m) * (n // t.cta_n)
+    idle = (_NUM_SMS - total % _NUM_SMS) % _NUM_SMS
     if total <= _NUM_SMS:
-      assert (config.send, config.pushers) == ("push", None), (axis_size, total, config)
+      want = ("push", min(idle, 12)) if idle >= 8 else ("push", None)
+      assert (config.send, config.pushers) == want, (axis_size, total, config)
     elif total > 2 * _NUM_SMS:
       # Forward, with the tiles in strips of the most row chunks <= 8 that
       # divide the shard's chunks.
@@ -378,7 +451,6 @@ def test_default_config_is_supported(m, k, n, dtype):
       strip = max(c for c in range(1, 9) if m_chunks % c == 0)
       assert (config.send, config.strip_chunks) == ("forward", strip), (axis_size, total, config)
     else:
-      idle = _NUM_SMS - total % _NUM_SMS
       want = ("push", idle) if idle >= 32 else ("forward", None)
       assert (config.send, config.pushers) == want, (axis_size, total, config)
     if total <= 2 * _NUM_SMS:
