@@ -201,136 +201,120 @@ def test_no_data_races_in_the_pipeline(k, num_sms, interpreter):
   assert not interpret_pallas_call.get_races().races_found
 
 
-# --- the GEMM core under the "forward" send's hook ----------------------------
+# --- the GEMM core's hooks, on one block ---------------------------------------
 #
-# The exchange cannot run in the interpreter, but what the "forward" send does
-# to the GEMM core can: `on_a_tile` TMA-stores each A tile of a column-0 tile
-# from its pipeline stage (to the peers and to the device's own gathered x) and
-# waits until the stores have read the stage, which the pipeline releases right
-# after. Here that hook stores to a second output on one device, and the race
-# detector checks the ordering (an earlier version that released stages one
-# step late raced with the next tile's prologue loads).
+# The exchange cannot run in the interpreter, but what the send designs do to
+# the GEMM core can. Each test runs the core on one block, tile by tile (the
+# two row chunks fastest), with one hook that writes a second [M, K] output,
+# and the race detector checks the hook's ordering against the TMA ring.
 
 
-def _forwarding_gemm(x, w, tiles, interpret):
-  """(x @ w, the A tiles the hook stored): the forward send's hook on one device."""
+def _hooked_gemm(x, w, tiles, interpret, hooks, *, a_from_second=False, scratch=()):
+  """(x @ w, the second output) on one block.
+
+  hooks(x_ref, second_ref, scratch_refs, rows, n_idx) returns the core's hook
+  keyword arguments for the tile of row chunk `rows` and column n_idx;
+  `scratch` are allocations (in every warpgroup) passed to it; with
+  a_from_second the core reads A from the second output, not from x."""
   m, k = x.shape
   n = w.shape[1]
   m_chunks = m // tiles.cta_m
   n_tiles = m_chunks * (n // tiles.cta_n)
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
 
-  def body(x_ref, w_ref, out_ref, copy_ref):
-    wg = lax.axis_index(gemm_core.WG_AXIS)
+  def body(x_ref, w_ref, out_ref, second_ref, *scratch_refs):
+    a_ref = second_ref if a_from_second else x_ref
 
-    def tile(scratch, info):
+    def tile(core_scratch, info):
       lin = info.index[0]
       chunk, n_idx = lin % m_chunks, lin // m_chunks
       rows = pl.ds(chunk * tiles.cta_m, tiles.cta_m)
       cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
-
-      def forward(k_idx, a_smem):
-        @pl.when((wg == 0) & (n_idx == 0))
-        def _():
-          plgpu.copy_smem_to_gmem(
-              a_smem, copy_ref.at[rows, pl.ds(k_idx * tiles.tile_k, tiles.tile_k)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      core(scratch, x_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
-           on_a_tile=forward, first=info.local_index == 0,
-           last=info.local_index == info.num_local_steps - 1)
+      core(core_scratch, a_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
+           first=info.local_index == 0, last=info.local_index == info.num_local_steps - 1,
+           **hooks(x_ref, second_ref, scratch_refs, rows, n_idx))
 
     @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
                        **core.scratch(x_ref, w_ref))
-    def _(**scratch):
+    def _(**core_scratch):
       @plgpu.nd_loop((n_tiles,), collective_axes="sm")
       def _(info):
-        tile(scratch, info)
+        tile(core_scratch, info)
     gemm_core.final_wait()
 
-  out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
-  # One block: it runs the forwarding tiles (n_idx 0), then the tiles of column 1.
-  return gemm_core.launch(body, out_type=out_type, num_sms=1,
-                          interpret=interpret)(jnp.asarray(x), jnp.asarray(w))
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
-def test_forward_hook_is_race_free(k, interpreter):
-  tiles = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
-  rng = _rng("forward-hook", k)
-  x = rng.standard_normal((128, k)).astype(BF16)  # 2 row chunks, 3 or 4 K steps
-  w = (rng.standard_normal((k, 256)) / np.sqrt(k)).astype(BF16)  # 2 columns
-  out, copied = _forwarding_gemm(x, w, tiles, interpreter(detect_races=True))
-  assert_matmul_close(out, x, w, BF16)
-  np.testing.assert_array_equal(np.asarray(copied), x)
-  assert not interpret_pallas_call.get_races().races_found
-
-
-# --- the GEMM core's memory-side hook (what the "push" send's waits rely on) --
-#
-# A remote tile of the "push" send waits in `before_load` for a piece's
-# semaphore, so the memory warpgroup must run the hook for step k before it
-# issues step k's loads, and only then. Semaphores cannot run in the
-# interpreter, so here the hook itself makes the data arrive: it TMA-copies
-# step k's A columns from x into the (uninitialized) buffer that the core then
-# loads A from, and waits for them to land. Were a load issued before its
-# step's hook, it would read unset data (and race with the hook's store).
-
-
-def _arriving_gemm(x, w, tiles, interpret):
-  """(x @ w, the A buffer): A reaches the core's operand buffer step by step
-  through `before_load` only."""
-  m, k = x.shape
-  n = w.shape[1]
-  m_chunks = m // tiles.cta_m
-  n_tiles = m_chunks * (n // tiles.cta_n)
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
-
-  def body(x_ref, w_ref, out_ref, a_ref, landing, landed):
-    def tile(scratch, info):
-      lin = info.index[0]
-      chunk, n_idx = lin % m_chunks, lin // m_chunks
-      rows = pl.ds(chunk * tiles.cta_m, tiles.cta_m)
-      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
-
-      def arrive(k_idx):
-        step_cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
-        plgpu.copy_gmem_to_smem(x_ref.at[rows, step_cols], landing, landed)
-        plgpu.barrier_wait(landed)
-        plgpu.copy_smem_to_gmem(landing, a_ref.at[rows, step_cols])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-      core(scratch, a_ref.at[rows], w_ref.at[:, cols], out_ref.at[rows, cols],
-           before_load=arrive, first=info.local_index == 0,
-           last=info.local_index == info.num_local_steps - 1)
-
-    @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
-                       **core.scratch(x_ref, w_ref))
-    def _(**scratch):
-      @plgpu.nd_loop((n_tiles,), collective_axes="sm")
-      def _(info):
-        tile(scratch, info)
-    gemm_core.final_wait()
-
-  def kernel(x_ref, w_ref, out_ref, a_ref):
-    pl.run_scoped(functools.partial(body, x_ref, w_ref, out_ref, a_ref),
-                  plgpu.SMEM((tiles.cta_m, tiles.tile_k), x.dtype),
-                  plgpu.Barrier(num_arrivals=1), collective_axes=gemm_core.WG_AXIS)
+  def kernel(*refs):
+    pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes=gemm_core.WG_AXIS)
 
   out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
   return gemm_core.launch(kernel, out_type=out_type, num_sms=1,
                           interpret=interpret)(jnp.asarray(x), jnp.asarray(w))
 
 
+def _operands(name, k):
+  rng = _rng(name, k)
+  x = rng.standard_normal((128, k)).astype(BF16)  # 2 row chunks, 3 or 4 K steps
+  w = (rng.standard_normal((k, 256)) / np.sqrt(k)).astype(BF16)  # 2 columns of 128
+  return x, w
+
+
+_HOOK_TILES = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
+def test_forward_hook_is_race_free(k, interpreter):
+  """The "forward" send: `on_a_tile` TMA-stores each A tile of a column-0
+  tile from its stage and waits until the store has read it, since the
+  pipeline releases the stage right after (an earlier version that released
+  stages one step late raced with the next tile's prologue loads). The block
+  runs the forwarding tiles (column 0), then the tiles of column 1."""
+  def hooks(x_ref, copy_ref, scratch_refs, rows, n_idx):
+    del x_ref, scratch_refs
+    wg = lax.axis_index(gemm_core.WG_AXIS)
+
+    def forward(k_idx, a_smem):
+      @pl.when((wg == 0) & (n_idx == 0))
+      def _():
+        plgpu.copy_smem_to_gmem(
+            a_smem, copy_ref.at[rows, pl.ds(k_idx * _HOOK_TILES.tile_k, _HOOK_TILES.tile_k)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return dict(on_a_tile=forward)
+
+  x, w = _operands("forward-hook", k)
+  out, copied = _hooked_gemm(x, w, _HOOK_TILES, interpreter(detect_races=True), hooks)
+  assert_matmul_close(out, x, w, BF16)
+  np.testing.assert_array_equal(np.asarray(copied), x)
+  assert not interpret_pallas_call.get_races().races_found
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
 def test_before_load_hook_precedes_the_steps_loads(k, interpreter):
-  tiles = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
-  rng = _rng("before-load-hook", k)
-  x = rng.standard_normal((128, k)).astype(BF16)  # 2 row chunks, 3 or 4 K steps
-  w = (rng.standard_normal((k, 256)) / np.sqrt(k)).astype(BF16)  # 2 columns
-  out, a = _arriving_gemm(x, w, tiles, interpreter(detect_races=True))
+  """The "push" send: a remote tile waits in `before_load` for a group's
+  semaphore, so the memory warpgroup must run the hook for step k before it
+  issues step k's loads. Semaphores cannot run in the interpreter, so here the
+  hook makes the data arrive: it TMA-copies step k's A columns from x into
+  the (unset) second output, which the core reads A from, and waits for them
+  to land. A load issued before its step's hook would read unset data (and
+  race with the hook's store)."""
+  t = _HOOK_TILES
+
+  def hooks(x_ref, a_ref, scratch_refs, rows, n_idx):
+    del n_idx
+    landing, landed = scratch_refs
+
+    def arrive(k_idx):
+      step_cols = pl.ds(k_idx * t.tile_k, t.tile_k)
+      plgpu.copy_gmem_to_smem(x_ref.at[rows, step_cols], landing, landed)
+      plgpu.barrier_wait(landed)
+      plgpu.copy_smem_to_gmem(landing, a_ref.at[rows, step_cols])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    return dict(before_load=arrive)
+
+  x, w = _operands("before-load-hook", k)
+  scratch = (plgpu.SMEM((t.cta_m, t.tile_k), BF16), plgpu.Barrier(num_arrivals=1))
+  out, a = _hooked_gemm(x, w, t, interpreter(detect_races=True), hooks,
+                        a_from_second=True, scratch=scratch)
   np.testing.assert_array_equal(np.asarray(a), x)
   assert_matmul_close(out, x, w, BF16)
   assert not interpret_pallas_call.get_races().races_found
