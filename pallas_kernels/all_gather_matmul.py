@@ -35,8 +35,8 @@ same call.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler
 (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`): local_tile,
-forward, signal, wait_chunk, remote_tile, and in the memory warpgroup
-wait_group and pace (tile without the exchange).
+forward, signal, wait_chunk, remote_tile, push, and in the memory
+warpgroup wait_group and pace (tile without the exchange).
 
 Exchange seam: with `Pregathered`, the kernel takes the gathered x as an
 input, reads every tile's rows from it, and does no remote copies, signals or
@@ -388,6 +388,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], stages.at[slot], loaded.at[slot])
 
       @pl.when((wg == 0) & (rank < pushers) & (mine > 0))
+      @jax.named_scope("push")
       def _():
         load(0)
 
