@@ -9,22 +9,28 @@ Phase 1, local partials. Work item (batch, KV head, split): one warpgroup
 streams the split's S / splits positions of K and V through a TMA pipeline,
 keeping the online-softmax state (running max, sum, output; float32) in
 registers. The Hq / Hkv = G query heads of a KV head ride in one 64-row
-`wgmma` (a window of 64 consecutive query rows that contains the group's: no
-padding copy of q where G is a multiple of 8; otherwise each group is padded
-to Gp = the next multiple of 8 rows), and every K/V byte is read once. Steps past the
-sequence's end are not loaded; a split with no valid position publishes an
-empty partial (lse = -inf), so every wait below completes.
+`wgmma`: q [B * Hq, Dh] is read in place, in the window of 64 rows that
+starts at the 8-row boundary at or before the group's first (Mosaic GPU's
+TMA wants tile-aligned rows; it zero-fills rows past the end), and every
+K/V byte is read once. Steps past the sequence's end are not loaded; a split
+with no valid position publishes an empty partial (lse = -inf), so every wait
+below completes.
 
-Exchange. The item's Gp rows of the normalized output (float32) and its
-log-sum-exp (broadcast over LSE_COLS columns, a 32-byte TMA row) are
-TMA-stored into every device's receive buffers, recv_o [D * splits, R, Dh]
-and recv_lse [D * splits, R, LSE_COLS], at row (b * Hkv + h) * Gp of slot
-me * splits + split (R = B * Hkv * Gp rounded up to 64); then the semaphore
-of each 64-row output tile those rows touch is raised on that device.
+Exchange. The item's Gp rows of the normalized output (float32) from its
+group's first (G of them its group's, Gp = G rounded up to 8 so that every
+group starts on an 8-row tile of the receive buffers) and its log-sum-exp
+(broadcast over LSE_COLS columns) are TMA-stored into every device's receive
+buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at row
+(b * Hkv + h) * Gp of slot me * splits + split; then the semaphore of its
+merge tile is raised on that device. A merge tile is 64 // Gp consecutive
+(batch, KV head) groups, whose rows fit one 64-row window (see
+`receive_rows`).
 
-Phase 2, combine. Work item (64-row tile of the R query rows, column chunk): wait for the tile's own semaphore to count every partial of every
-(batch, KV head) group in it (no global barrier), then merge its D * splits
-partials with the log-sum-exp rule in a TMA pipeline, and store the output.
+Phase 2, combine. Work item (merge tile, column chunk): wait for the tile's
+own semaphore to count every partial of every group in it (no global
+barrier), merge its D * splits partials with the log-sum-exp rule in a TMA
+pipeline over the tile's 64-row window, and store each group's G rows of the
+output [B * Hq, Dh] (no padding to strip afterwards).
 
 The persistent grid (at most one block per SM, all resident) runs its phase-1
 items before its phase-2 items; phase 1 never waits, so every wait is for
@@ -57,7 +63,11 @@ from pallas_kernels import vma
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)
 ROWS = 64  # the M of a wgmma: query rows per item and per output tile
-LSE_COLS = 8  # a log-sum-exp row is broadcast over 8 float32s: 32 bytes for TMA
+# A log-sum-exp row is broadcast over 32 float32s: 128 bytes, so that the TMA
+# store of a group's rows is 128-byte aligned from any staging row; the merge
+# reads 8 of them (a 32-byte TMA row).
+LSE_COLS = 32
+LSE_MERGE_COLS = 8
 # Dynamic shared memory per block on H100/H200, less room for barriers and
 # alignment (Mosaic GPU counted ~2.8 KB more than the buffers at Dh = 128).
 SMEM_BYTES = 227 * 1024 - 4096
@@ -85,7 +95,7 @@ class FlashDecodeConfig:
     ring = self.stages * 2 * self.block_kv * head_dim * itemsize
     tiles = ROWS * (head_dim + self.block_kv) * itemsize  # q, P
     staging = ROWS * (head_dim + LSE_COLS) * 4  # o, lse
-    merge_ring = _merge_stages(partials) * ROWS * (self.combine_cols + LSE_COLS) * 4
+    merge_ring = _merge_stages(partials) * ROWS * (self.combine_cols + LSE_MERGE_COLS) * 4
     out_tile = ROWS * self.combine_cols * itemsize
     return max(ring + tiles + staging, merge_ring + out_tile)
 
@@ -104,7 +114,7 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
   steps = max(1, s_shard // block_kv)
   items = batch * kv_heads
   splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or items * d <= num_sms))
-  tiles = receive_rows(batch, q_heads, kv_heads) // ROWS
+  _, tiles = merge_tiles(batch, q_heads, kv_heads)
   cols = head_dim
   while cols > 32 and tiles * (head_dim // cols) < num_sms // 4:
     cols //= 2
@@ -126,6 +136,11 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
   if q_heads % kv_heads or q_heads // kv_heads > ROWS:
     return (f"the kernel needs Hq / Hkv <= {ROWS} query heads per KV head, got"
             f" Hq={q_heads}, Hkv={kv_heads}.")
+  if (group := q_heads // kv_heads) % 8 and padded_group(group) == ROWS:
+    # Read from the 8-row boundary before it, the group would overrun the
+    # 64-row window.
+    return (f"the kernel needs Hq / Hkv <= {ROWS - 8} or a multiple of 8, got"
+            f" Hq / Hkv = {group} (Hq={q_heads}, Hkv={kv_heads}).")
   if config.block_kv % 64 or config.splits < 1 or config.stages < 2:
     return f"bad config {config}: block_kv % 64 == 0, splits >= 1, stages >= 2."
   if head_dim % config.combine_cols or config.combine_cols % 16:
@@ -155,26 +170,24 @@ class Received:
 
 
 def padded_group(group: int) -> int:
-  """Rows per (batch, KV head) group: Hq / Hkv rounded up to 8, so that each
-  group's rows start 8-aligned in shared memory (Mosaic GPU tiles f32 tiles
-  by 8 rows; a TMA slice must start on a tile)."""
+  """Rows per (batch, KV head) group in the receive buffers: Hq / Hkv rounded
+  up to 8, so that each group's rows start 8-aligned in shared memory (Mosaic
+  GPU tiles f32 tiles by 8 rows; a TMA slice must start on a tile)."""
   return -(-group // 8) * 8
 
 
+def merge_tiles(batch: int, q_heads: int, kv_heads: int) -> tuple[int, int]:
+  """(groups per merge tile, merge tiles): ROWS // Gp consecutive (batch, KV
+  head) groups share a tile, so that no group straddles two."""
+  per_tile = ROWS // padded_group(q_heads // kv_heads)
+  return per_tile, -(-batch * kv_heads // per_tile)
+
+
 def receive_rows(batch: int, q_heads: int, kv_heads: int) -> int:
-  """R, the query rows of the receive buffers: B * Hkv padded groups,
-  rounded up to ROWS."""
-  return -(-batch * kv_heads * padded_group(q_heads // kv_heads) // ROWS) * ROWS
-
-
-def _group_rows(q, kv_heads: int, padded: int):
-  """[B, Hq, Dh] -> [B * Hkv * padded, Dh]: each KV head's query heads,
-  zero-padded to `padded` rows (a free reshape when they are already)."""
-  b, hq, dh = q.shape
-  grouped = q.reshape(b, kv_heads, hq // kv_heads, dh)
-  if padded != hq // kv_heads:
-    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded - hq // kv_heads), (0, 0)))
-  return grouped.reshape(b * kv_heads * padded, dh)
+  """R, the rows of the receive buffers: B * Hkv groups of Gp rows, with room
+  for the last merge tile's whole 64-row window."""
+  per_tile, tiles = merge_tiles(batch, q_heads, kv_heads)
+  return (tiles - 1) * per_tile * padded_group(q_heads // kv_heads) + ROWS
 
 
 def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
@@ -201,7 +214,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   """
   b, hq, dh = q.shape
   _, s, hkv, _ = k.shape
-  group = padded_group(hq // hkv)
+  heads = hq // hkv  # G, the query heads of one group
+  group = padded_group(heads)  # Gp, its rows in the receive buffers
   exchange = received is None
   splits = config.splits
   if exchange:
@@ -212,14 +226,15 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   chunk = s // splits
   partials = d * splits
   rows = receive_rows(b, hq, hkv)
-  tiles = rows // ROWS
+  per_tile, tiles = merge_tiles(b, hq, hkv)
+  tail = b * hkv - (tiles - 1) * per_tile  # groups in the last merge tile
   col_chunks = dh // config.combine_cols
   items = b * hkv * splits
   merges = tiles * col_chunks
   grid = 1 if not exchange else min(num_sms, max(items, merges))
   dtype = q.dtype
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  q_rows = _group_rows(q, hkv, group)
+  q_rows = q.reshape(b * hq, dh)
   if q_rows.shape[0] < ROWS:  # the 64-row query window needs 64 rows to slide over
     q_rows = jnp.pad(q_rows, ((0, ROWS - q_rows.shape[0]), (0, 0)))
 
@@ -236,16 +251,12 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     sm = lax.axis_index("sm")
     destinations = [lax.rem(me + offset, d) for offset in range(d)] if remote else [None]
 
-    def touched_tiles(row):
-      """The output tiles that rows [row, row + Gp) fall in (one or two)."""
-      first, last = row // ROWS, (row + group - 1) // ROWS
-      return first, last
-
     @jax.named_scope("deliver")
-    def deliver(o_smem, lse_smem, window, row, slot):
-      """Stores an item's rows into every device's receive buffers (the
-      seam: into this one's, plus the peers' rows from `received`)."""
-      src, dst = pl.ds(window, group), pl.ds(row, group)
+    def deliver(o_smem, lse_smem, window, bh, slot):
+      """Stores group bh's rows, from row `window` of the staging tiles, into
+      every device's receive buffers (the seam: into this one's, plus the
+      peers' rows from `received`)."""
+      src, dst = pl.ds(window, group), pl.ds(bh * group, group)
       for dev in destinations:
         o_to, lse_to = (recv_o, recv_lse) if dev is None else (
             plgpu.remote_ref(recv_o, {axis_name: dev}), plgpu.remote_ref(recv_lse, {axis_name: dev}))
@@ -253,14 +264,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if exchange:
-        first, last = touched_tiles(row)
         for dev in destinations:
           where = {} if dev is None else {"device_id": {axis_name: dev}}
-          pl.semaphore_signal(ready.at[first], 1, **where)
-
-          @pl.when(last != first)
-          def _():
-            pl.semaphore_signal(ready.at[last], 1, **where)
+          pl.semaphore_signal(ready.at[bh // per_tile], 1, **where)
         return
 
       def relay(peer, loaded):  # the seam: what peer `peer` would have stored
@@ -282,9 +288,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       """Phase 1: the partial of (batch, KV head, split) = item."""
       bh, split = item // splits, lax.rem(item, splits)
       batch, head = bh // hkv, lax.rem(bh, hkv)
-      row = bh * group
-      window_start = jnp.minimum(row, q_rows.shape[0] - ROWS)
-      window = row - window_start  # the group's first row within the window
+      # The group's G rows start at `window` (< 8); rows past q's end read as zeros.
+      window_start = bh * heads // 8 * 8
+      window = bh * heads - window_start
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, ROWS)], q_smem, q_loaded)
       start = split * chunk
       length = chunk if kv_lens is None else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk)
@@ -331,17 +337,16 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
       lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
       plgpu.commit_smem()
-      deliver(o_smem, lse_smem, window, row, me * splits + split)
+      deliver(o_smem, lse_smem, window, bh, me * splits + split)
 
     @jax.named_scope("merge")
     def merge(item, out_smem):
-      """Phase 2: output tile x column chunk = item, from all its partials."""
+      """Phase 2: merge tile x column chunk = item, from all its partials."""
       tile, col = item // col_chunks, lax.rem(item, col_chunks)
+      groups = jnp.minimum(per_tile, b * hkv - tile * per_tile)
       if exchange:
-        first = tile * ROWS // group
-        last = jnp.minimum((tile * ROWS + ROWS - 1) // group, b * hkv - 1)
         with jax.named_scope("wait_partials"):
-          pl.semaphore_wait(ready.at[tile], (last - first + 1) * partials, decrement=False)
+          pl.semaphore_wait(ready.at[tile], groups * partials, decrement=False)
 
       def step(_, o_smem, lse_smem, carry):
         acc, m, l = carry
@@ -355,12 +360,13 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         return acc, m_new, l * alpha + weight
 
       cols = config.combine_cols
-      tile_rows, tile_cols = pl.ds(tile * ROWS, ROWS), pl.ds(col * cols, cols)
+      tile_rows = pl.ds(tile * per_tile * group, ROWS)
+      tile_cols = pl.ds(col * cols, cols)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       acc, _, l = plgpu.emit_pipeline(
           step, grid=(partials,),
           in_specs=[plgpu.BlockSpec((1, ROWS, cols), lambda p: (p, 0, 0)),
-                    plgpu.BlockSpec((1, ROWS, LSE_COLS), lambda p: (p, 0, 0))],
+                    plgpu.BlockSpec((1, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
           max_concurrent_steps=_merge_stages(partials),
           init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA),
                       plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
@@ -369,8 +375,28 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       safe_l = jnp.where(l > 0, l, 1.0)  # a sequence of length 0 yields zeros
       out_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[tile_rows, tile_cols])
+      store_output(tile, out_smem, tile_cols)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def store_output(tile, out_smem, tile_cols):
+      """The tile's groups' G rows of out [B * Hq, Dh]: one store when the
+      groups are unpadded (G = Gp, rows contiguous), else one per group."""
+      first_row = tile * per_tile * heads
+      if heads == group:
+        def store(n):  # the tile's first n groups
+          plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, n * heads)],
+                                  out_ref.at[pl.ds(first_row, n * heads), tile_cols])
+        if tail == per_tile or tiles == 1:
+          store(tail)
+        else:
+          pl.when(tile < tiles - 1)(lambda: store(per_tile))
+          pl.when(tile == tiles - 1)(lambda: store(tail))
+        return
+      for i in range(per_tile):
+        @pl.when(tile * per_tile + i < b * hkv)
+        def _():
+          plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * group, heads)],
+                                  out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
 
     def phase1(q_smem, q_loaded, p_smem, o_smem, lse_smem):
       @pl.loop(sm, items, step=grid)
@@ -394,7 +420,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     pl.run_scoped(phase2, plgpu.SMEM((ROWS, config.combine_cols), dtype))
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  out_types = (jax.ShapeDtypeStruct((rows, dh), dtype),
+  out_types = (jax.ShapeDtypeStruct((b * hq, dh), dtype),
                jax.ShapeDtypeStruct((partials, rows, dh), jnp.float32),
                jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
   inputs = (q_rows, k, v) + (() if kv_lens is None else (kv_lens.astype(jnp.int32),))
@@ -403,7 +429,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   out, recv_o, recv_lse = plgpu.kernel(
       body, out_type=out_types, grid=(grid,), grid_names=("sm",), interpret=interpret,
   )(*inputs)
-  out = out[:b * hkv * group].reshape(b, hkv, group, dh)[:, :, :hq // hkv].reshape(b, hq, dh)
+  out = out.reshape(b, hq, dh)
   if exchange:
     # Every device merges the same partials in the same order: the output is
     # replicated over the axis, and varies over the inputs' other axes.

@@ -47,16 +47,21 @@ def _reference(q, k, v, lens, scale) -> np.ndarray:
   return out.reshape(b, hq, dh)
 
 
-# (B, Hq, Hkv, Dh, S_shard, D, global lens, dtype, config): GQA (G = 4, 8),
-# MQA, MHA (groups padded to 8 rows); Dh 64 and 128; lengths ending mid-block,
-# at a block edge, inside device 0's slice (device 1 empty), zero and full;
-# empty splits; no lengths at all; D = 1, 2 and 3.
+# (B, Hq, Hkv, Dh, S_shard, D, global lens, dtype, config): GQA (G = 4, 8, 12,
+# 24), MQA, MHA (groups padded to 8 rows in the receive buffers); merge tiles
+# of 1, 2, 4 and 8 groups, the last one partly filled; q shorter and longer
+# than the 64-row window; Dh 64 and 128; lengths ending mid-block, at a block
+# edge, inside device 0's slice (device 1 empty), zero and full; empty splits;
+# no lengths at all; D = 1, 2 and 3.
 CASES = [
     (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64)),
     (3, 4, 4, 64, 128, 2, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
     (1, 8, 1, 64, 384, 1, (130,), BF16, fd.FlashDecodeConfig(128, 3, 2, 64)),
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16)),
     (2, 16, 2, 128, 256, 2, None, F16, fd.FlashDecodeConfig(64, 2, 2, 64)),  # no kv_lens
+    (5, 16, 4, 64, 128, 2, (256, 1, 130, 0, 200), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
+    (3, 24, 2, 64, 128, 2, (256, 100, 129), F16, fd.FlashDecodeConfig(64, 2, 2, 16)),
+    (3, 48, 2, 64, 64, 2, (128, 64, 70), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
 ]
 
 
@@ -156,6 +161,7 @@ def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape):
     ((2, 8, 2, 128, 512, jnp.float32), "bf16 and fp16"),
     ((2, 8, 2, 96, 512, BF16), "head dims"),
     ((2, 256, 2, 128, 512, BF16), "query heads per KV head"),
+    ((2, 120, 2, 128, 512, BF16), "Hq / Hkv <= 56 or a multiple of 8, got Hq / Hkv = 60"),
     ((2, 8, 2, 128, 500, BF16), "multiple of block_kv"),
 ])
 def test_unsupported_problems_are_named(args, match):
@@ -172,7 +178,10 @@ def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
   assert deep is not None and "shared memory" in deep
 
 
-def test_groups_are_padded_to_eight_rows():
-  assert [fd.padded_group(g) for g in (1, 4, 8, 12, 64)] == [8, 8, 8, 16, 64]
-  assert fd.receive_rows(3, 4, 4) == 128  # 12 groups of 8 rows, rounded up to 64
-  assert fd.receive_rows(8, 64, 8) == 512
+def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
+  assert [fd.padded_group(g) for g in (1, 4, 8, 12, 24, 64)] == [8, 8, 8, 16, 24, 64]
+  # 12 groups of 8 rows: tiles of 8 groups, the second one's window whole.
+  assert fd.merge_tiles(3, 4, 4) == (8, 2) and fd.receive_rows(3, 4, 4) == 128
+  assert fd.merge_tiles(8, 64, 8) == (8, 8) and fd.receive_rows(8, 64, 8) == 512
+  # Groups of 24 rows: two per 64-row window, none straddling two tiles.
+  assert fd.merge_tiles(3, 48, 2) == (2, 3) and fd.receive_rows(3, 48, 2) == 2 * 48 + 64
