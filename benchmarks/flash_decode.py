@@ -120,7 +120,7 @@ def local_kernel(q, k, v):
   merged in-kernel, no exchange): the attention over the local slice."""
   b, hq, dh = q.shape
   s_shard, hkv = k.shape[1], k.shape[2]
-  config = fd_kernel.default_config(b, hkv, hq, s_shard, dh, q.dtype, axis_size=1,
+  config = fd_kernel.default_config(b, hkv, hq, s_shard, dh, q.dtype,
                                     num_sms=platform.num_sms())
   return fd_kernel.flash_decode(q, k, v, None, scale=1.0 / math.sqrt(dh), config=config,
                                 num_sms=platform.num_sms())

@@ -39,13 +39,12 @@ def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
   """The caller's config, else the kernel's heuristic."""
   return p.config or kernel.default_config(
       p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
-      axis_size=p.axis_size, num_sms=platform.num_sms())
+      num_sms=platform.num_sms())
 
 
 def _pallas_support(p: Problem) -> str | None:
   return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
-      p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard, p.dtype, _kernel_config(p),
-      axis_size=p.axis_size)
+      p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard, p.dtype, _kernel_config(p))
 
 
 _TABLE = {"pallas": _pallas_support, "xla_bsp": dispatch.always}

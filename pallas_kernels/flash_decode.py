@@ -21,16 +21,21 @@ group's first (G of them its group's, Gp = G rounded up to 8 so that every
 group starts on an 8-row tile of the receive buffers) and its log-sum-exp
 (broadcast over LSE_COLS columns) are TMA-stored into every device's receive
 buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at row
-(b * Hkv + h) * Gp of slot me * splits + split; then the semaphore of its
-merge tile is raised on that device. A merge tile is 64 // Gp consecutive
-(batch, KV head) groups, whose rows fit one 64-row window (see
+(b * Hkv + h) * Gp of slot me * splits + split, this device's own buffers
+first; on each device, as soon as the rows have landed there, the semaphore of
+(its merge tile, this source device) is raised. A merge tile is 64 // Gp
+consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
-Phase 2, combine. Work item (merge tile, column chunk): wait for the tile's
-own semaphore to count every partial of every group in it (no global
-barrier), merge its D * splits partials with the log-sum-exp rule in a TMA
-pipeline over the tile's 64-row window, and store each group's G rows of the
-output [B * Hq, Dh] (no padding to strip afterwards).
+Phase 2, combine. Work item (merge tile, column chunk), on the blocks with
+the fewest phase-1 items: per source device, wait for its semaphore of the
+tile to count the `splits` partials of every group in it (no global barrier)
+and merge them with the log-sum-exp rule, up to MERGE_BATCH partials per step
+of a TMA pipeline over the tile's 64-row window; this device's partials
+first (they land a remote round trip before the peers'), then the sources
+combined in device order, so that every device does the same arithmetic and
+the output is replicated bit for bit. Each group's G rows of the output
+[B * Hq, Dh] are stored (no padding to strip afterwards).
 
 The persistent grid (at most one block per SM, all resident) runs its phase-1
 items before its phase-2 items; phase 1 never waits, so every wait is for
@@ -51,6 +56,8 @@ remote refs there). The seam runs on one block: its phases need no waits.
 """
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +75,7 @@ ROWS = 64  # the M of a wgmma: query rows per item and per output tile
 # reads 8 of them (a 32-byte TMA row).
 LSE_COLS = 32
 LSE_MERGE_COLS = 8
+MERGE_BATCH = 16  # most partials merged per step of the merge ring (unrolled)
 # Dynamic shared memory per block on H100/H200, less room for barriers and
 # alignment (Mosaic GPU counted ~2.8 KB more than the buffers at Dh = 128).
 SMEM_BYTES = 227 * 1024 - 4096
@@ -90,22 +98,30 @@ class FlashDecodeConfig:
   stages: int = 2
   combine_cols: int = 128
 
-  def smem_bytes(self, head_dim: int, itemsize: int, partials: int) -> int:
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """The larger of the two phases' shared memory (they run one after the other)."""
     ring = self.stages * 2 * self.block_kv * head_dim * itemsize
     tiles = ROWS * (head_dim + self.block_kv) * itemsize  # q, P
     staging = ROWS * (head_dim + LSE_COLS) * 4  # o, lse
-    merge_ring = _merge_stages(partials) * ROWS * (self.combine_cols + LSE_MERGE_COLS) * 4
-    out_tile = ROWS * self.combine_cols * itemsize
-    return max(ring + tiles + staging, merge_ring + out_tile)
+    return max(ring + tiles + staging, self._merge_bytes(*self.merge_ring(itemsize), itemsize))
 
+  def merge_ring(self, itemsize: int) -> tuple[int, int]:
+    """(partials per step, stages) of the merge ring: a source's `splits`
+    partials in as few steps as fit in shared memory (at most MERGE_BATCH
+    per step), two steps in flight."""
+    for batch in range(min(self.splits, MERGE_BATCH), 1, -1):
+      stages = min(2, self.splits // batch)
+      if not self.splits % batch and self._merge_bytes(batch, stages, itemsize) <= SMEM_BYTES:
+        return batch, stages
+    return 1, min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: always fits
 
-def _merge_stages(partials: int) -> int:
-  return min(4, partials)
+  def _merge_bytes(self, batch: int, stages: int, itemsize: int) -> int:
+    ring = stages * batch * ROWS * (self.combine_cols + LSE_MERGE_COLS) * 4
+    return ring + ROWS * self.combine_cols * itemsize  # + the output tile
 
 
 def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_dim: int,
-                   dtype, *, axis_size: int, num_sms: int) -> FlashDecodeConfig:
+                   dtype, *, num_sms: int) -> FlashDecodeConfig:
   """One wave of phase-1 items: the most splits (each a whole number of
   steps) with B * Hkv * splits <= the SM count; the deepest K/V ring (<= 4)
   that fits; combine columns halved (>= 32) until the merge spreads over at
@@ -119,14 +135,13 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
   while cols > 32 and tiles * (head_dim // cols) < num_sms // 4:
     cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
-  partials = axis_size * splits
   stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
-      block_kv, splits, n, cols).smem_bytes(head_dim, itemsize, partials) <= SMEM_BYTES])
+      block_kv, splits, n, cols).smem_bytes(head_dim, itemsize) <= SMEM_BYTES])
   return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols)
 
 
 def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s_shard: int,
-                       dtype, config: FlashDecodeConfig, *, axis_size: int) -> str | None:
+                       dtype, config: FlashDecodeConfig) -> str | None:
   """None if the kernel can run this per-shard problem, else why not."""
   del batch
   if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
@@ -148,7 +163,7 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
   if s_shard % (config.block_kv * config.splits):
     return (f"the local KV length S_shard = {s_shard} must be a multiple of"
             f" block_kv * splits = {config.block_kv * config.splits}.")
-  need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, axis_size * config.splits)
+  need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
   if need > SMEM_BYTES:
     return f"config {config} needs {need} bytes of shared memory, more than {SMEM_BYTES}."
   return None
@@ -231,7 +246,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   col_chunks = dh // config.combine_cols
   items = b * hkv * splits
   merges = tiles * col_chunks
-  grid = 1 if not exchange else min(num_sms, max(items, merges))
+  grid = 1 if not exchange else min(num_sms, items + merges)
   dtype = q.dtype
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   q_rows = q.reshape(b * hq, dh)
@@ -244,30 +259,35 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     if exchange:
       out_ref, recv_o, recv_lse = refs
       me = lax.axis_index(axis_name) if remote else 0
-      ready = pl.get_global(plgpu.SemaphoreType.REGULAR((tiles,)))
+      ready = pl.get_global(plgpu.SemaphoreType.REGULAR((tiles, d)))
     else:
       given_o, given_lse, out_ref, recv_o, recv_lse = refs
       me = received.index
     sm = lax.axis_index("sm")
-    destinations = [lax.rem(me + offset, d) for offset in range(d)] if remote else [None]
+    # This device (None: its own buffers and semaphores, no NVLink path), then its peers.
+    destinations = [None] + ([lax.rem(me + offset, d) for offset in range(1, d)] if remote else [])
 
     @jax.named_scope("deliver")
     def deliver(o_smem, lse_smem, window, bh, slot):
       """Stores group bh's rows, from row `window` of the staging tiles, into
-      every device's receive buffers (the seam: into this one's, plus the
-      peers' rows from `received`)."""
+      every device's receive buffers, this device's first (the seam: into
+      this one's, plus the peers' rows from `received`), and raises the merge
+      tile's semaphore for this source on each device as soon as the rows
+      have landed there: the local signal does not wait for the remote stores."""
       src, dst = pl.ds(window, group), pl.ds(bh * group, group)
       for dev in destinations:
         o_to, lse_to = (recv_o, recv_lse) if dev is None else (
             plgpu.remote_ref(recv_o, {axis_name: dev}), plgpu.remote_ref(recv_lse, {axis_name: dev}))
         plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
         plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if exchange:
-        for dev in destinations:
+        for i, dev in enumerate(destinations):
+          # Store groups complete in issue order, two per destination.
+          plgpu.wait_smem_to_gmem(2 * (len(destinations) - 1 - i), wait_read_only=False)
           where = {} if dev is None else {"device_id": {axis_name: dev}}
-          pl.semaphore_signal(ready.at[bh // per_tile], 1, **where)
+          pl.semaphore_signal(ready.at[bh // per_tile, me], 1, **where)
         return
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
       def relay(peer, loaded):  # the seam: what peer `peer` would have stored
         peer_slot = peer * splits + lax.rem(slot, splits)
@@ -339,39 +359,69 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       plgpu.commit_smem()
       deliver(o_smem, lse_smem, window, bh, me * splits + split)
 
+    def combine(a, b):
+      """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged
+      by the log-sum-exp rule; acc and sum are relative to the max."""
+      (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+      m = jnp.maximum(m_a, m_b)
+      shift = jnp.where(m == -jnp.inf, 0.0, m)  # both empty: no NaN
+      alpha, beta = jnp.exp(m_a - shift), jnp.exp(m_b - shift)
+      rows = lambda x: lax.broadcast_in_dim(x, acc_a.shape, [0])
+      return acc_a * rows(alpha) + acc_b * rows(beta), m, l_a * alpha + l_b * beta
+
     @jax.named_scope("merge")
     def merge(item, out_smem):
       """Phase 2: merge tile x column chunk = item, from all its partials."""
       tile, col = item // col_chunks, lax.rem(item, col_chunks)
       groups = jnp.minimum(per_tile, b * hkv - tile * per_tile)
-      if exchange:
-        with jax.named_scope("wait_partials"):
-          pl.semaphore_wait(ready.at[tile], groups * partials, decrement=False)
-
-      def step(_, o_smem, lse_smem, carry):
-        acc, m, l = carry
-        lse = plgpu.load(lse_smem.at[0], layout=plgpu.Layout.WGMMA).max(axis=1)
-        o = plgpu.load(o_smem.at[0], layout=plgpu.Layout.WGMMA)
-        m_new = jnp.maximum(m, lse)
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha, weight = jnp.exp(m - shift), jnp.exp(lse - shift)
-        acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-               + o * lax.broadcast_in_dim(weight, acc.shape, [0]))
-        return acc, m_new, l * alpha + weight
-
       cols = config.combine_cols
       tile_rows = pl.ds(tile * per_tile * group, ROWS)
       tile_cols = pl.ds(col * cols, cols)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
-      acc, _, l = plgpu.emit_pipeline(
-          step, grid=(partials,),
-          in_specs=[plgpu.BlockSpec((1, ROWS, cols), lambda p: (p, 0, 0)),
-                    plgpu.BlockSpec((1, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
-          max_concurrent_steps=_merge_stages(partials),
-          init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA),
-                      plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                      plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
-      )(recv_o.at[:, tile_rows, tile_cols], recv_lse.at[:, tile_rows])
+
+      def empty():
+        return (plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+
+      batch, merge_stages = config.merge_ring(jnp.dtype(dtype).itemsize)
+
+      def step(_, o_smem, lse_smem, carry):
+        # The step's partials are weighed against their own max first, so
+        # that their loads and exponentials do not wait on one another.
+        lses = [plgpu.load(lse_smem.at[i], layout=plgpu.Layout.WGMMA).max(axis=1)
+                for i in range(batch)]
+        m = functools.reduce(jnp.maximum, lses)
+        shift = jnp.where(m == -jnp.inf, 0.0, m)  # all empty: no NaN
+        weights = [jnp.exp(lse - shift) for lse in lses]
+        acc = functools.reduce(operator.add, (
+            plgpu.load(o_smem.at[i], layout=plgpu.Layout.WGMMA)
+            * lax.broadcast_in_dim(w, (ROWS, cols), [0]) for i, w in enumerate(weights)))
+        return combine(carry, (acc, m, functools.reduce(operator.add, weights)))
+
+      def source(dev):
+        """The state of device dev's `splits` partials, once they have all
+        arrived; the same steps on every device."""
+        if exchange:
+          with jax.named_scope("wait_partials"):
+            pl.semaphore_wait(ready.at[tile, dev], groups * splits, decrement=False)
+        slots = pl.ds(dev * splits, splits)
+        return plgpu.emit_pipeline(
+            step, grid=(splits // batch,),
+            in_specs=[plgpu.BlockSpec((batch, ROWS, cols), lambda p: (p, 0, 0)),
+                      plgpu.BlockSpec((batch, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
+            max_concurrent_steps=merge_stages, init_carry=empty(),
+        )(recv_o.at[slots, tile_rows, tile_cols], recv_lse.at[slots, tile_rows])
+
+      # This device's partials land first: merge them while the peers' are in
+      # flight. The sources are then combined in device order, this one's in
+      # its place, so that every device does the same arithmetic and the
+      # outputs agree bit for bit.
+      acc, _, l = own = source(me)
+      if d > 1:
+        before = lax.fori_loop(0, me, lambda dev, state: combine(state, source(dev)), empty())
+        acc, _, l = lax.fori_loop(me + 1, d, lambda dev, state: combine(state, source(dev)),
+                                  combine(before, own))
       safe_l = jnp.where(l > 0, l, 1.0)  # a sequence of length 0 yields zeros
       out_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
       plgpu.commit_smem()

@@ -62,6 +62,8 @@ CASES = [
     (5, 16, 4, 64, 128, 2, (256, 1, 130, 0, 200), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
     (3, 24, 2, 64, 128, 2, (256, 100, 129), F16, fd.FlashDecodeConfig(64, 2, 2, 16)),
     (3, 48, 2, 64, 64, 2, (128, 64, 70), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
+    # 8 splits of full-width merge rows: 2 partials per merge step, 4 steps.
+    (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 8, 2, 128)),
 ]
 
 
@@ -94,10 +96,10 @@ def _own_slots(recv, index, splits):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}_D{c[5]}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
-  through the seam), it merges them into the full attention output. An empty
-  split publishes lse = -inf."""
+  through the seam), it merges them into the full attention output, the same
+  on every device. An empty split publishes lse = -inf."""
   b, hq, hkv, dh, s, d, lens, dtype, config = case
-  assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config, axis_size=d) is None
+  assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
   splits = config.splits
   # Pass 1: every device's own partials (the others' slots empty).
   partials = [_run(case, i, *_empty_partials(case), interpreter)[1][1:] for i in range(d)]
@@ -113,6 +115,7 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
           assert np.all(lse == -np.inf), (i, bi, split)
   # Pass 2: every device merges all partials.
   tol = 2e-2 if dtype == BF16 else 4e-3  # P is rounded to the input dtype for the PV wgmma
+  outs = []
   for i in range(d):
     (q, k, v), (out, recv_o, _) = _run(case, i, given_o, given_lse, interpreter)
     np.testing.assert_array_equal(np.asarray(_own_slots(recv_o, i, splits)),
@@ -123,15 +126,21 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
     assert out.shape == (b, hq, dh) and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), want,
                                atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
+    # Each device merges its own partials first, yet all do the same
+    # arithmetic: the output is replicated bit for bit.
+    outs.append(np.asarray(out))
+    np.testing.assert_array_equal(outs[i], outs[0], err_msg=f"device {i} differs from device 0")
 
 
-@pytest.mark.parametrize("dtype,dh,hq", [(BF16, 128, 64), (F16, 64, 32), (BF16, 128, 8)])
-def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq):
+@pytest.mark.parametrize("dtype,dh,hq,b,s_total", [
+    (BF16, 128, 64, 8, 8192), (F16, 64, 32, 8, 8192), (BF16, 128, 8, 8, 8192),
+    (BF16, 128, 64, 1, 32768)])  # 16 splits, merged 16 at a time
+def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
   """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2."""
   mesh = jax.make_mesh((2,), ("x",))
-  b, hkv, s_total = 8, 8, 8192
-  config = fd.default_config(b, hkv, hq, s_total // 2, dh, dtype, axis_size=2, num_sms=132)
-  assert fd.unsupported_reason(b, hq, hkv, dh, s_total // 2, dtype, config, axis_size=2) is None
+  hkv = 8
+  config = fd.default_config(b, hkv, hq, s_total // 2, dh, dtype, num_sms=132)
+  assert fd.unsupported_reason(b, hq, hkv, dh, s_total // 2, dtype, config) is None
   q_spec, kv_spec = jax.P(), jax.P(None, "x")
   f = jax.jit(jax.shard_map(
       lambda q, k, v, n: fd.flash_decode(q, k, v, n, axis_name="x", scale=0.1, config=config,
@@ -148,10 +157,9 @@ def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq):
 @pytest.mark.parametrize("shape", shapes.FLASH_DECODE, ids=str)
 def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape):
   s_shard = shape.s_total // 2
-  config = fd.default_config(shape.b, shape.hkv, shape.hq, s_shard, shape.dh, BF16,
-                             axis_size=2, num_sms=132)
-  assert fd.unsupported_reason(shape.b, shape.hq, shape.hkv, shape.dh, s_shard, BF16, config,
-                               axis_size=2) is None
+  config = fd.default_config(shape.b, shape.hkv, shape.hq, s_shard, shape.dh, BF16, num_sms=132)
+  assert fd.unsupported_reason(shape.b, shape.hq, shape.hkv, shape.dh, s_shard, BF16,
+                               config) is None
   items = shape.b * shape.hkv * config.splits
   assert items <= 132 or config.splits == 1
   assert items > 66 or s_shard // config.block_kv == config.splits  # as many as the steps allow
@@ -165,17 +173,31 @@ def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape):
     ((2, 8, 2, 128, 500, BF16), "multiple of block_kv"),
 ])
 def test_unsupported_problems_are_named(args, match):
-  reason = fd.unsupported_reason(*args, fd.FlashDecodeConfig(128, 2, 2), axis_size=2)
+  reason = fd.unsupported_reason(*args, fd.FlashDecodeConfig(128, 2, 2))
   assert reason is not None and match in reason
 
 
 def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
-  bad_cols = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 2, 48),
-                                   axis_size=2)
+  bad_cols = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 2, 48))
   assert bad_cols is not None and "combine_cols" in bad_cols
-  deep = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 4),
-                               axis_size=2)
+  deep = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 4))
   assert deep is not None and "shared memory" in deep
+
+
+def test_merge_ring_takes_as_many_partials_per_step_as_fit():
+  itemsize = 2
+  assert fd.FlashDecodeConfig(128, 16, 2, 32).merge_ring(itemsize) == (16, 1)
+  assert fd.FlashDecodeConfig(128, 32, 2, 32).merge_ring(itemsize) == (8, 2)  # 16 x 2 would not fit
+  # Full-width rows (34.8 KB per partial): 4 in one step, or 2 per step twice in flight.
+  assert fd.FlashDecodeConfig(128, 4, 2, 128).merge_ring(itemsize) == (4, 1)
+  assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
+  assert fd.FlashDecodeConfig(128, 7, 2, 128).merge_ring(itemsize) == (1, 2)
+  assert fd.FlashDecodeConfig(128, 1, 2, 64).merge_ring(itemsize) == (1, 1)
+  for splits in range(1, 40):
+    config = fd.FlashDecodeConfig(128, splits, 2, 128)
+    batch, stages = config.merge_ring(itemsize)
+    assert splits % batch == 0 and 1 <= stages <= 2
+    assert config.smem_bytes(128, itemsize) <= fd.SMEM_BYTES
 
 
 def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
