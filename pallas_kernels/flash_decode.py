@@ -22,8 +22,10 @@ group starts on an 8-row tile of the receive buffers) and its log-sum-exp
 (broadcast over LSE_COLS columns) are TMA-stored into every device's receive
 buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at row
 (b * Hkv + h) * Gp of slot me * splits + split, this device's own buffers
-first; on each device, as soon as the rows have landed there, the semaphore of
-(its merge tile, this source device) is raised. A merge tile is 64 // Gp
+first, and the semaphore of (its merge tile, this source device) is raised on
+each device once the rows have landed there: here at once, on the peers while
+the block runs its next item (or after its last), so that no item waits for a
+remote round trip before the next one starts. A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
@@ -268,12 +270,15 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     destinations = [None] + ([lax.rem(me + offset, d) for offset in range(1, d)] if remote else [])
 
     @jax.named_scope("deliver")
-    def deliver(o_smem, lse_smem, window, bh, slot):
+    def deliver(o_smem, lse_smem, window, bh, slot, item):
       """Stores group bh's rows, from row `window` of the staging tiles, into
       every device's receive buffers, this device's first (the seam: into
       this one's, plus the peers' rows from `received`), and raises the merge
-      tile's semaphore for this source on each device as soon as the rows
-      have landed there: the local signal does not wait for the remote stores."""
+      tile's semaphore for this source here once the own rows have landed.
+      The peers' semaphores are raised by `publish`: the block's previous
+      item's here (its stores have long landed), this item's at the block's
+      next item or after its last, so no item waits for a remote round trip
+      before the next one starts."""
       src, dst = pl.ds(window, group), pl.ds(bh * group, group)
       for dev in destinations:
         o_to, lse_to = (recv_o, recv_lse) if dev is None else (
@@ -281,11 +286,12 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
         plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
       if exchange:
-        for i, dev in enumerate(destinations):
-          # Store groups complete in issue order, two per destination.
-          plgpu.wait_smem_to_gmem(2 * (len(destinations) - 1 - i), wait_read_only=False)
-          where = {} if dev is None else {"device_id": {axis_name: dev}}
-          pl.semaphore_signal(ready.at[bh // per_tile, me], 1, **where)
+        # Store groups complete in issue order: the previous item's to the
+        # peers, this item's own (two), this item's to the peers (two each).
+        plgpu.wait_smem_to_gmem(2 * (d - 1), wait_read_only=False)
+        if remote:
+          pl.when(item >= grid)(lambda: publish(item - grid))
+        pl.semaphore_signal(ready.at[bh // per_tile, me], 1)
         return
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
@@ -354,10 +360,19 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       some = l > 0
       safe_l = jnp.where(some, l, 1.0)
       lse = jnp.where(some, m + jnp.log(safe_l), -jnp.inf)
+      if remote:  # the previous item's stores to the peers may still read the staging tiles
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
       lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
       plgpu.commit_smem()
-      deliver(o_smem, lse_smem, window, bh, me * splits + split)
+      deliver(o_smem, lse_smem, window, bh, me * splits + split, item)
+
+    def publish(item):
+      """Raises phase-1 item `item`'s merge-tile semaphore on every peer; its
+      stores there have landed."""
+      for dev in destinations[1:]:
+        pl.semaphore_signal(ready.at[item // splits // per_tile, me], 1,
+                            device_id={axis_name: dev})
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged
@@ -452,6 +467,12 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       @pl.loop(sm, items, step=grid)
       def _(item):
         attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem)
+
+      if remote:
+        @pl.when(sm < items)
+        def _():  # the block's last item
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          publish(sm + (items - 1 - sm) // grid * grid)
 
     pl.run_scoped(phase1,
                   plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),

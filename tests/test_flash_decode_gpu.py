@@ -104,6 +104,22 @@ def test_without_kv_lens_attends_to_everything(case):
   _check_every_device(outs, reference.flash_decode(q, k, v), case[4])
 
 
+def test_blocks_with_several_items():
+  """B x Hkv = 320 phase-1 items over at most 132 blocks: each block runs two
+  or three, and an item's semaphores on the peers are raised only while its
+  block runs the next one (or after its last)."""
+  mesh = testkit.mesh_1d(D)
+  case = CASES[1]
+  q, k, v = _inputs(D, case, "several", batch=40)
+  lens = np.resize(ragged_lens(D, case[3]), 40).astype(np.int32)
+  put = functools.partial(testkit.put, mesh)
+  f = _per_shard_fn(mesh)
+  want = reference.flash_decode(q, k, v, lens)
+  for _ in range(2):  # twice: the second call must not see the first one's signals
+    outs = np.asarray(f(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC), put(lens, P())))
+    _check_every_device(outs, want, case[4])
+
+
 def test_auto_picks_the_kernel():
   q, k, v = (jax.ShapeDtypeStruct(s, BF16) for s in ((8, 64, 128), (8, 4096, 8, 128),
                                                     (8, 4096, 8, 128)))
