@@ -29,7 +29,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-PEAK_FLOPS = 790e12     # dense bf16 tensor-core rate reached by a tuned GEMM
+# Compute: the fastest bf16 GEMM measured on these machines (PLATFORM.md: a
+# tuned Hopper GEMM at 2048x4096x4096, 813 TFLOP/s); 790 was used until our
+# GEMM core ran at 802 (AG 1024 rows, session 12) and was flagged under it.
+PEAK_FLOPS = 813e12     # bf16 FLOP/s
 # HBM: H200's 4.8 TB/s datasheet peak, not the ~4.3 TB/s that copies reach:
 # a streaming kernel measured 4.41 TB/s here (flash decode, 2026-11-22), so
 # the measured rate is no floor.
