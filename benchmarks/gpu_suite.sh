@@ -6,8 +6,9 @@
 #
 # Each step's log goes to $OUT/<step>.log. Benchmark JSON (named by device and
 # D, e.g. h200x2_all_gather_matmul.json) goes to $OUT and is copied under
-# benchmarks/results/. A failing step is recorded and the next one still runs;
-# the script exits non-zero if any step failed.
+# benchmarks/results/; JAX's baseline configs (benchmarks/data, committed, swept
+# where missing) are copied to $OUT/data. A failing step is recorded and the
+# next one still runs; the script exits non-zero if any step failed.
 #
 # STEPS (default: every step) names the steps to run, e.g.
 # STEPS="all_gather_matmul layer_scan" to split the suite over two calls.
@@ -67,6 +68,8 @@ step kernel_profile bash -c 'python3 -m benchmarks.kernel_profile --op=all_gathe
 for json in "$OUT"/*.json; do
   [ -e "$json" ] && cp "$json" benchmarks/results/
 done
+# JAX's baseline configs, swept where benchmarks/data had none: to commit with the results.
+mkdir -p "$OUT/data" && cp benchmarks/data/*.json "$OUT/data/" 2>/dev/null || true
 cp "$OUT"/*.png benchmarks/results/ 2>/dev/null || true
 
 if [ "${#failed[@]}" -ne 0 ]; then

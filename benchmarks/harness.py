@@ -40,6 +40,11 @@ PEAK_HBM = 4.8e12       # bytes/s
 PEAK_NVLINK = 450e9     # bytes/s per direction per device
 
 DISPATCH_REPEATS = 3
+# A tuning sweep times each candidate once; its FINALISTS fastest are then
+# re-timed by `interleaved_cupti_us` over FINAL_ROUNDS rounds, and the best
+# median wins.
+FINALISTS = 4
+FINAL_ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +160,24 @@ def cupti_us(fn, args, *, iterations: int, devices: int) -> float:
   """Median per-device CUPTI time of one call of jitted `fn` (µs). GPU only."""
   calls, _ = _cupti_calls(fn, args, iterations)
   return statistics.median(_per_device_us(call, devices) for call in calls)
+
+
+def interleaved_cupti_us(fns: dict, args, *, rounds: int, iterations: int,
+                         devices: int) -> dict:
+  """{key: median over `rounds` of cupti_us(fns[key])}, each round timing every
+  fn once, in turn (µs). GPU only.
+
+  For choosing among a sweep's best few: interleaving spreads clock and power
+  drift over all of them alike, and the median over rounds damps the noise
+  that makes the fastest of single timings a lucky draw more often than the
+  fastest config (at 4096x8192x7168 one config's figure moves by 3-8% between
+  runs here).
+  """
+  times = {key: [] for key in fns}
+  for _ in range(rounds):
+    for key, fn in fns.items():
+      times[key].append(cupti_us(fn, args, iterations=iterations, devices=devices))
+  return {key: statistics.median(ts) for key, ts in times.items()}
 
 
 def dispatch_us(fn, args, *, iterations: int, repeats: int = DISPATCH_REPEATS) -> float:

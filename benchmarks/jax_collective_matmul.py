@@ -3,7 +3,8 @@
 `jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul`
 per shard: lhs [M_shard, K], rhs [K, N_shard] -> [D * M_shard, N_shard] bf16,
 rows in device order, over an axis that spans all devices. Its speed depends
-on the `TuningConfig`, so each shape gets the best of a modest grid, kept in
+on the `TuningConfig`, so each shape gets the best of a modest grid (its
+fastest few re-timed in interleaved rounds: `_sweep`), kept in
 `benchmarks/data/jax_collective_matmul_configs.json` keyed by device kind, D
 and shape; later runs reuse it unless --retune. The sweep's total time in one
 run is bounded by --tune_budget_s, shared over the shapes still to tune.
@@ -58,12 +59,16 @@ _EPILOGUE_TILE = 64  # TuningConfig's default epi_tile_m and epi_tile_n
 
 @dataclasses.dataclass(frozen=True)
 class Tuned:
-  """The best config found for one shape, and how it was found."""
+  """The best config found for one shape, and how it was found.
+
+  cupti_us is the winner's median over the final interleaved rounds among the
+  `finalists` fastest of the `tried` configs (harness.FINALISTS)."""
   config: dict
   cupti_us: float
   tried: int
   candidates: int
   complete: bool
+  finalists: int
 
 
 class _Budget:
@@ -126,12 +131,13 @@ def _save(key: str, tuned: Tuned) -> None:
 
 
 def _sweep(shape, ctx: runner.Context, specs, budget_s: float) -> tuple[Tuned | None, dict]:
-  """Times each candidate (correct ones only) until done or out of time."""
+  """Times each candidate (correct ones only) until done or out of time, then
+  re-times the fastest few in interleaved rounds; the best median wins."""
   args = (ctx.inputs.x, ctx.inputs.w)
   configs = candidates(shape)
   start = time.perf_counter()
-  best, tried, rejected = None, 0, {}
-  for config in configs:
+  fastest, tried, rejected = [], 0, {}  # (us, index, fn) of the fastest so far
+  for index, config in enumerate(configs):
     if time.perf_counter() - start > budget_s:
       break
     tried += 1
@@ -146,12 +152,17 @@ def _sweep(shape, ctx: runner.Context, specs, budget_s: float) -> tuple[Tuned | 
       reason = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
       rejected[reason] = rejected.get(reason, 0) + 1
       continue
-    if best is None or us < best[1]:
-      best = (config, us)
-  _BUDGET.spent_s += time.perf_counter() - start
-  if best is None:
+    fastest = sorted(fastest + [(us, index, fn)], key=lambda t: t[:2])[:harness.FINALISTS]
+  if not fastest:
+    _BUDGET.spent_s += time.perf_counter() - start
     return None, rejected
-  return Tuned(best[0], best[1], tried, len(configs), tried == len(configs)), rejected
+  medians = harness.interleaved_cupti_us(
+      {index: fn for _, index, fn in fastest}, args, rounds=harness.FINAL_ROUNDS,
+      iterations=_TUNE_ITERATIONS.value, devices=ctx.mesh.size)
+  _BUDGET.spent_s += time.perf_counter() - start
+  best = min(medians, key=medians.get)
+  return Tuned(configs[best], medians[best], tried, len(configs), tried == len(configs),
+               len(medians)), rejected
 
 
 def case(shape, ctx: runner.Context, specs) -> runner.Case:

@@ -1,13 +1,20 @@
-"""Tuned kernel configs as data: serialization, lookup, precedence, and the
-tuner's candidate space (the tuning itself runs on GPUs)."""
+"""Tuned kernel configs as data: serialization, lookup, precedence, the
+tuner's candidate space, and how the two sweeps (ours and JAX's baseline's)
+choose among their fastest candidates (the timing itself runs on GPUs; here
+it is scripted)."""
 
 import dataclasses
 import importlib
 import json
+import types
 
+from absl import flags
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import harness
+from benchmarks import jax_collective_matmul
+from benchmarks import runner
 from benchmarks import shapes
 from benchmarks import tune_all_gather_matmul as tuner
 from jax_overlap import tuned
@@ -100,3 +107,97 @@ def test_tuner_candidates_are_valid_distinct_and_start_with_the_heuristic(m, k, 
   assert {c.send for c in found} == {"forward", "push"}
   for config in found:
     assert ag_kernel.unsupported_reason(m, k, n, BF16, config) is None, config
+
+
+class _Kernel:
+  """A stand-in for a jitted candidate: callable, named, hashable by identity."""
+
+  def __init__(self, name: str):
+    self.name = name
+
+  def __call__(self, *args):
+    return None
+
+
+@pytest.fixture
+def scripted_cupti(monkeypatch):
+  """harness.cupti_us returns, for fn f, the next of `timings[f]`; the names
+  of the fns timed, in order, go to `calls`. Every output is correct. The
+  sweeps read their absl flags, at their defaults here."""
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  timings, calls = {}, []
+
+  def fake(fn, args, *, iterations, devices):
+    del args, iterations, devices
+    calls.append(fn.name)
+    return timings[fn].pop(0)
+
+  monkeypatch.setattr(harness, "cupti_us", fake)
+  monkeypatch.setattr(harness, "max_rel_error", lambda out, ref: 0.0)
+  return timings, calls
+
+
+def test_interleaved_rounds_time_every_fn_in_turn_and_take_medians(scripted_cupti):
+  timings, calls = scripted_cupti
+  a, b = _Kernel("a"), _Kernel("b")
+  timings.update({a: [5.0, 1.0, 9.0], b: [2.0, 8.0, 3.0]})
+  medians = harness.interleaved_cupti_us({"x": a, "y": b}, (), rounds=3, iterations=10, devices=2)
+  assert calls == ["a", "b"] * 3
+  assert medians == {"x": 5.0, "y": 3.0}  # the fastest single timing (a's 1.0) loses
+
+
+def _sweep_timings(kernels) -> dict:
+  """{kernel: [its sweep timing, then its final rounds']}: kernels[1] is the
+  fastest once, kernels[2] by median; kernels[0] is slow, the rest between."""
+  rounds = harness.FINAL_ROUNDS
+  assert rounds == 3
+  timings = {kernels[0]: [20.0] * (1 + rounds), kernels[1]: [10.0, 30.0, 10.0, 30.0],
+             kernels[2]: [11.0, 12.0, 12.0, 12.0]}
+  for i, kernel in enumerate(kernels[3:]):
+    timings[kernel] = [13.0 + i] * (1 + rounds)
+  return timings
+
+
+def test_our_sweep_picks_the_best_median_of_the_heuristic_and_the_fastest(
+    scripted_cupti, monkeypatch):
+  timings, calls = scripted_cupti
+  configs = tuner.candidates(1024, 4096, 4096, BF16, axis_size=2, num_sms=132)[:7]
+  kernels = [_Kernel(f"k{i}") for i in range(len(configs))]
+  timings.update(_sweep_timings(kernels))
+  monkeypatch.setattr(tuner, "candidates", lambda *args, **kwargs: configs)
+  monkeypatch.setattr(tuner.platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(tuner.bench, "setup",
+                      lambda shape, mesh: types.SimpleNamespace(x=None, w=None))
+  monkeypatch.setattr(tuner.bench, "reference", lambda inputs, mesh: None)
+  monkeypatch.setattr(tuner.bench, "ours_fn",
+                      lambda mesh, impl, config: kernels[configs.index(config)])
+  trials, finals = tuner._tune_shape(  # pylint: disable=protected-access
+      shapes.ALL_GATHER_MATMUL[0], types.SimpleNamespace(size=2), float("inf"))
+  assert [t.config for t in trials] == configs
+  # Re-timed: the heuristic (trial 0) and the FINALISTS - 1 fastest others.
+  assert calls[len(configs):] == ["k0", "k1", "k2", "k3"] * harness.FINAL_ROUNDS
+  assert finals == {0: 20.0, 1: 30.0, 2: 12.0, 3: 13.0}
+  assert min(finals, key=finals.get) == 2  # steady beats the lucky first timing
+
+
+def test_jax_baseline_sweep_picks_the_best_median_of_its_fastest(scripted_cupti, monkeypatch):
+  timings, calls = scripted_cupti
+  shape = shapes.ALL_GATHER_MATMUL[0]
+  configs = jax_collective_matmul.candidates(shape)[:7]
+  kernels = [_Kernel(f"k{i}") for i in range(len(configs))]
+  timings.update(_sweep_timings(kernels))
+  monkeypatch.setattr(jax_collective_matmul, "candidates", lambda shape: configs)
+  monkeypatch.setattr(jax_collective_matmul, "_build",
+                      lambda mesh, specs, config: kernels[configs.index(config)])
+  ctx = runner.Context(mesh=types.SimpleNamespace(size=2),
+                       inputs=types.SimpleNamespace(x=None, w=None), reference=None,
+                       shapes_left=1)
+  tuned, rejected = jax_collective_matmul._sweep(  # pylint: disable=protected-access
+      shape, ctx, None, budget_s=1e9)
+  assert not rejected
+  # Re-timed: the FINALISTS fastest by their sweep timing.
+  assert calls[len(configs):] == ["k1", "k2", "k3", "k4"] * harness.FINAL_ROUNDS
+  assert tuned.config == configs[2] and tuned.cupti_us == 12.0
+  assert (tuned.tried, tuned.candidates, tuned.finalists, tuned.complete) == (
+      7, 7, harness.FINALISTS, True)
