@@ -140,6 +140,10 @@ OP = runner.OpSpec(
     speedup_base="user_bsp",
     compute_floor="gemm_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
+    # Ours (as `auto` runs it, and both send designs), the baselines that come
+    # within a few percent of it, and the two GEMM floors.
+    contenders=("pallas", "pallas_forward", "pallas_push", "user_bsp",
+                jax_collective_matmul.NAME, "gemm_alone", "pallas_core"),
 )
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ OP = runner.OpSpec(
     throughput_unit="KV GB/s",
     speedup_base="mqa_native_bsp",
     compute_floor="pallas_local",
+    contenders=("pallas", "mqa_native_bsp", "pallas_local"),
 )
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ Two figures per function, both per call and per device:
   last result, wall time / N; the best of a few repetitions. It includes the
   launch gaps and stream syncs a model step really pays.
 
+Side by side: where two cases are closer than one case's run-to-run spread
+(clocks under the power limit move a 1.4 ms GEMM by 3-8% between runs here),
+`interleaved_rounds` re-times them in turn, round after round, so that drift
+falls on all of them alike; compare the medians.
+
 Never time with `lax.fori_loop` or `optimization_barrier` (see PLATFORM.md:
 they both add and remove work).
 
@@ -22,6 +27,7 @@ the measurement is wrong (or, for dispatch < CUPTI, that kernels overlapped on
 several streams): `suspicions` names them.
 """
 
+from collections.abc import Callable, Hashable, Mapping
 import dataclasses
 import statistics
 import time
@@ -45,6 +51,9 @@ DISPATCH_REPEATS = 3
 # median wins.
 FINALISTS = 4
 FINAL_ROUNDS = 3
+# An op benchmark re-times its contenders (`runner.OpSpec.contenders`) side by
+# side in this many interleaved rounds after a shape's cases have run.
+HEAD_TO_HEAD_ROUNDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,21 +171,33 @@ def cupti_us(fn, args, *, iterations: int, devices: int) -> float:
   return statistics.median(_per_device_us(call, devices) for call in calls)
 
 
-def interleaved_cupti_us(fns: dict, args, *, rounds: int, iterations: int,
-                         devices: int) -> dict:
-  """{key: median over `rounds` of cupti_us(fns[key])}, each round timing every
-  fn once, in turn (µs). GPU only.
+def interleaved_rounds(calls: Mapping[Hashable, tuple[Callable, tuple]], *, rounds: int,
+                       iterations: int, devices: int) -> dict:
+  """{key: (cupti_us of calls[key] = (fn, args) in each of `rounds` rounds)},
+  each round timing every call once, in turn (µs). GPU only.
 
-  For choosing among a sweep's best few: interleaving spreads clock and power
-  drift over all of them alike, and the median over rounds damps the noise
-  that makes the fastest of single timings a lucky draw more often than the
-  fastest config (at 4096x8192x7168 one config's figure moves by 3-8% between
-  runs here).
+  Interleaving spreads clock and power drift over every call alike: at
+  4096x8192x7168 one config's figure moves by 3-8% between runs here, more
+  than the gaps it is meant to rank.
   """
-  times = {key: [] for key in fns}
+  times = {key: [] for key in calls}
   for _ in range(rounds):
-    for key, fn in fns.items():
+    for key, (fn, args) in calls.items():
       times[key].append(cupti_us(fn, args, iterations=iterations, devices=devices))
+  return {key: tuple(ts) for key, ts in times.items()}
+
+
+def interleaved_cupti_us(fns: Mapping, args, *, rounds: int, iterations: int,
+                         devices: int) -> dict:
+  """{key: median over `rounds` interleaved rounds (`interleaved_rounds`) of
+  cupti_us(fns[key], args)} (µs). GPU only.
+
+  For choosing among a sweep's best few: the median over rounds damps the
+  noise that makes the fastest of single timings a lucky draw more often than
+  the fastest config.
+  """
+  times = interleaved_rounds({key: (fn, args) for key, fn in fns.items()}, rounds=rounds,
+                             iterations=iterations, devices=devices)
   return {key: statistics.median(ts) for key, ts in times.items()}
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import statistics
 
 import jax
 
@@ -21,11 +22,22 @@ def _ratio(num: float | None, den: float | None) -> float | None:
   return None if num is None or den is None or den == 0 else num / den
 
 
+def side_by_side_us(record) -> float | None:
+  """The median of a record's interleaved rounds (µs), None if it has none."""
+  return statistics.median(record.interleaved_us) if record.interleaved_us else None
+
+
+def _time(record, figure: str) -> float | None:
+  if record is None or record.timing is None:
+    return None
+  return side_by_side_us(record) if figure == "side" else getattr(record.timing, f"{figure}_us")
+
+
 def _by_figure(num, den) -> dict:
-  """{"cupti": num / den, "dispatch": num / den} of two records' times (None if absent)."""
-  time = lambda r, figure: None if r is None or r.timing is None else getattr(r.timing, figure)
-  return {figure[:-3]: _ratio(time(num, figure), time(den, figure))
-          for figure in ("cupti_us", "dispatch_us")}
+  """{figure: num / den} of two records' times (None if either lacks it), for
+  figures cupti, dispatch and side (the medians of the interleaved rounds)."""
+  return {figure: _ratio(_time(num, figure), _time(den, figure))
+          for figure in ("cupti", "dispatch", "side")}
 
 
 def _comparisons(op, records) -> dict:
@@ -46,8 +58,18 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
   return "-" if value is None else format(value, spec)
 
 
-def _pair(ratios: dict) -> str:
-  return f"{_fmt(ratios['cupti'], '.2f')}/{_fmt(ratios['dispatch'], '.2f')}"
+def _ratios(ratios: dict) -> str:
+  """c/d, or c/d/s where both records were re-timed side by side."""
+  shown = ("cupti", "dispatch") + (("side",) if ratios["side"] is not None else ())
+  return "/".join(_fmt(ratios[figure], ".2f") for figure in shown)
+
+
+def _side_by_side(record) -> str:
+  """Median (min-max) of the interleaved rounds, or "-"."""
+  if not record.interleaved_us:
+    return "-"
+  rounds = record.interleaved_us
+  return f"{side_by_side_us(record):.1f} ({min(rounds):.1f}-{max(rounds):.1f})"
 
 
 def one_line(record) -> str:
@@ -61,9 +83,10 @@ def one_line(record) -> str:
 
 
 def _table(op, records, comparisons) -> list[str]:
-  header = ("shape", "impl", "role", "CUPTI µs", "excl. barrier", "disp µs", "floor µs",
-            op.throughput_unit, f"speedup vs {op.speedup_base} c/d",
-            f"time / {op.compute_floor} c/d", "err", "flags")
+  header = ("shape", "impl", "role", "CUPTI µs", "excl. barrier", "disp µs",
+            "side by side µs", "floor µs", op.throughput_unit,
+            f"speedup vs {op.speedup_base} c/d/s", f"time / {op.compute_floor} c/d/s", "err",
+            "flags")
   rows, notes = [], {}
   for r in records:
     cmp = comparisons[(r.impl, r.shape)]
@@ -71,15 +94,15 @@ def _table(op, records, comparisons) -> list[str]:
       t = r.timing
       rate = r.throughput_cupti if r.throughput_cupti is not None else r.throughput_dispatch
       rows.append((r.shape, r.impl, r.role, _fmt(t.cupti_us), _fmt(t.cupti_excl_barrier_us),
-                   _fmt(t.dispatch_us),
+                   _fmt(t.dispatch_us), _side_by_side(r),
                    _fmt(r.floor.us), _fmt(rate, ".3g"),
-                   _pair(cmp[f"speedup_vs_{op.speedup_base}"]),
-                   _pair(cmp[f"ratio_to_{op.compute_floor}"]),
+                   _ratios(cmp[f"speedup_vs_{op.speedup_base}"]),
+                   _ratios(cmp[f"ratio_to_{op.compute_floor}"]),
                    _fmt(r.rel_error, ".1e"), " ".join(r.warnings)))
     else:
       reason = r.reason.split(" | ")[0]
       mark = notes.setdefault((r.impl, r.status, reason), len(notes) + 1)
-      rows.append((r.shape, r.impl, r.role, r.status.upper(), "", "", _fmt(r.floor.us),
+      rows.append((r.shape, r.impl, r.role, r.status.upper(), "", "", "", _fmt(r.floor.us),
                    "", "", "", "", f"[{mark}]"))
   widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
   line = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
@@ -124,8 +147,10 @@ def _meta(op, mesh, iterations: int) -> dict:
       "figures": (
           "per call, per device, µs. cupti: median over calls of (sum of all"
           " kernels on all devices) / D; dispatch: wall time of N unblocked"
-          " calls / N, best of several. Ratios: c = by CUPTI, d = by dispatch."
-          " Rates use CUPTI where it exists, else dispatch."),
+          " calls / N, best of several. side by side: the contenders' CUPTI"
+          f" figures re-timed in {harness.HEAD_TO_HEAD_ROUNDS} interleaved rounds,"
+          " median (min-max). Ratios: c = by CUPTI, d = by dispatch, s = side by"
+          " side. Rates use CUPTI where it exists, else dispatch."),
   }
 
 

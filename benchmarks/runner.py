@@ -4,8 +4,9 @@ An op benchmark is an `OpSpec`: its shapes, how to make inputs and the BSP
 reference, its floor, and for each shape a list of `Case`s (our impls,
 baselines, compute floors). `run(op)` runs every selected case of every shape
 side by side in one process on one mesh, checks each output against the
-reference, times it with `benchmarks.harness`, and hands the records to
-`benchmarks.report`.
+reference, times it with `benchmarks.harness`, re-times the op's contenders
+(ours and the baselines it must beat) in interleaved rounds, and hands the
+records to `benchmarks.report`.
 
 A case whose XLA flags differ from the parent's (e.g. XLA's windowed einsum)
 runs in a child process, `python -m <op module> --only=<case>`, started
@@ -20,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,9 +98,13 @@ class OpSpec:
   setup(shape, mesh) -> inputs; reference(inputs, mesh) -> the BSP output (the
   same sharding as every checked case's output); cases(shape, ctx) -> Cases;
   throughput(shape, d, us) -> the rate in `throughput_unit`. The floor comes
-  from the shape's costs (`harness.Floor.of`) at `dtype`. `speedup_base` and `compute_floor` name the cases the
-  table divides by. `isolated` maps case names to the XLA flags they need in
-  their own process.
+  from the shape's costs (`harness.Floor.of`) at `dtype`. `speedup_base` and
+  `compute_floor` name the cases the table divides by. `isolated` maps case
+  names to the XLA flags they need in their own process. `contenders` names
+  the cases that are re-timed side by side after each shape's cases, in
+  `harness.HEAD_TO_HEAD_ROUNDS` interleaved rounds of CUPTI (GPU only; not
+  isolated cases): the comparison that holds where two cases are closer than
+  one case's run-to-run spread.
   """
   name: str
   module: str
@@ -114,11 +120,17 @@ class OpSpec:
   speedup_base: str
   compute_floor: str
   isolated: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  contenders: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-  """The outcome of one case at one shape. status: "ok", "skipped", "failed"."""
+  """The outcome of one case at one shape. status: "ok", "skipped", "failed".
+
+  interleaved_us: the case's CUPTI figure (µs) in each interleaved round of
+  its shape's contenders (`OpSpec.contenders`); empty if it was not one, or
+  off GPUs.
+  """
   impl: str
   role: str
   shape: str
@@ -131,6 +143,7 @@ class Record:
   throughput_dispatch: float | None = None
   warnings: tuple[str, ...] = ()
   info: Mapping = dataclasses.field(default_factory=dict)
+  interleaved_us: tuple[float, ...] = ()
 
   @classmethod
   def from_dict(cls, d: dict) -> "Record":
@@ -142,6 +155,7 @@ class Record:
       t["kernels"] = tuple(harness.Kernel(**k) for k in t["kernels"])
       d["timing"] = harness.Timing(**t)
     d["warnings"] = tuple(d["warnings"])
+    d["interleaved_us"] = tuple(d.get("interleaved_us", ()))
     return cls(**d)
 
 
@@ -176,21 +190,22 @@ def _check_names(cases: list[Case]) -> None:
 
 
 def _run_case(case: Case, shape, op: OpSpec, d: int, floor: harness.Floor,
-              reference, iterations: int) -> Record:
+              reference, iterations: int) -> tuple[Record, Built | None]:
+  """The case's record, and the built case if it ran (else None)."""
   base = dict(impl=case.name, role=case.role, shape=str(shape), floor=floor)
   try:
     built = case.build()
   except Skip as e:
-    return Record(status="skipped", reason=str(e), **base)
+    return Record(status="skipped", reason=str(e), **base), None
   except Exception as e:  # pylint: disable=broad-except
-    return Record(status="failed", reason=_error_text("build", e), **base)
+    return Record(status="failed", reason=_error_text("build", e), **base), None
   try:
     out = jax.block_until_ready(built.fn(*built.args))
     rel_error = harness.max_rel_error(out, reference) if case.checked else None
     del out
     timing = harness.measure(built.fn, built.args, iterations=iterations)
   except Exception as e:  # pylint: disable=broad-except
-    return Record(status="failed", reason=_error_text("run", e), info=built.info, **base)
+    return Record(status="failed", reason=_error_text("run", e), info=built.info, **base), None
   warnings = harness.suspicions(timing, floor)
   if rel_error is not None and not rel_error <= TOLERANCE:
     warnings += (f"MISMATCH err {rel_error:.1e} > {TOLERANCE:.0e}",)
@@ -199,7 +214,33 @@ def _run_case(case: Case, shape, op: OpSpec, d: int, floor: harness.Floor,
       status="ok", timing=timing, rel_error=rel_error,
       throughput_cupti=rate(timing.cupti_us),
       throughput_dispatch=rate(timing.dispatch_us),
-      warnings=warnings, info=built.info, **base)
+      warnings=warnings, info=built.info, **base), built
+
+
+def _head_to_head(records: list[Record], built: Mapping[str, Built], d: int,
+                  iterations: int) -> list[Record]:
+  """`records` with the cases of `built` (one shape's contenders that ran in
+  this process) re-timed in interleaved rounds; unchanged if fewer than two."""
+  if len(built) < 2:
+    return records
+  print(f"  side by side: {', '.join(built)} in {harness.HEAD_TO_HEAD_ROUNDS}"
+        " interleaved rounds", flush=True)
+  try:
+    rounds = harness.interleaved_rounds(
+        {name: (b.fn, b.args) for name, b in built.items()},
+        rounds=harness.HEAD_TO_HEAD_ROUNDS, iterations=iterations, devices=d)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"  side by side: failed, records keep their own figures: {_error_text('run', e)}",
+          flush=True)
+    return records
+  def retimed(r: Record) -> Record:
+    if r.impl not in rounds:
+      return r
+    warnings = r.warnings
+    if statistics.median(rounds[r.impl]) < r.floor.us:
+      warnings += ("HARNESS BUG? side by side<floor",)
+    return dataclasses.replace(r, interleaved_us=rounds[r.impl], warnings=warnings)
+  return [retimed(r) for r in records]
 
 
 def _error_text(stage: str, e: Exception) -> str:
@@ -261,20 +302,24 @@ def _main(op: OpSpec) -> None:
     ctx = Context(mesh, inputs, reference, len(shapes) - index)
     shape_cases = op.cases(shape, ctx)
     _check_names(shape_cases)
+    shape_records, contenders = [], {}
     for case in shape_cases:
       if not _selected(case.name):
         continue
       child = children.get(case.name)
       if child is None:
-        record = _run_case(case, shape, op, d, floor, reference, iterations)
+        record, built = _run_case(case, shape, op, d, floor, reference, iterations)
+        if built is not None and on_gpu and case.name in op.contenders:
+          contenders[case.name] = built
       elif (case.name, str(shape)) in child.records:
         record = child.records[(case.name, str(shape))]
       else:
         record = Record(case.name, case.role, str(shape), "failed", floor,
                         reason=child.error or "the child process did not run this shape")
       print(f"  {record.impl}: {record.status} {report.one_line(record)}", flush=True)
-      records.append(record)
-    del inputs, reference, ctx
+      shape_records.append(record)
+    records += _head_to_head(shape_records, contenders, d, iterations)
+    del inputs, reference, ctx, contenders
   report.emit(op, mesh, iterations, records, pathlib.Path(_OUT_DIR.value),
               chart=not _ONLY.value)
 

@@ -1,0 +1,113 @@
+"""The benchmarks' side-by-side re-timing of an op's contenders, and how the
+report shows it (the timing runs on GPUs; here `harness.cupti_us` is
+scripted)."""
+
+import dataclasses
+import json
+import types
+
+import pytest
+
+from benchmarks import harness
+from benchmarks import report
+from benchmarks import runner
+
+ROUNDS = harness.HEAD_TO_HEAD_ROUNDS
+FLOOR = harness.Floor(flops=int(harness.PEAK_FLOPS * 1e-6), hbm_bytes=0, nvlink_bytes=0)  # 1 µs
+
+
+def _record(impl: str, cupti: float, dispatch: float) -> runner.Record:
+  timing = harness.Timing(cupti_us=cupti, cupti_mean_us=cupti, cupti_mode="scripted",
+                          dispatch_us=dispatch, kernels=(harness.Kernel("k", cupti),),
+                          iterations=10, devices=2, cupti_excl_barrier_us=cupti)
+  return runner.Record(impl, "ours", "s1", "ok", FLOOR, timing=timing)
+
+
+def _built(name: str) -> runner.Built:
+  fn = lambda *args: None
+  fn.name = name
+  return runner.Built(fn, (name,))
+
+
+@pytest.fixture
+def scripted_cupti(monkeypatch):
+  """cupti_us(fn, args) returns the next of `timings[fn.name]` (raises if it
+  is an exception) and checks that args are fn's own; `calls` logs names."""
+  timings, calls = {}, []
+
+  def fake(fn, args, *, iterations, devices):
+    assert args == (fn.name,) and (iterations, devices) == (10, 2)
+    calls.append(fn.name)
+    result = timings[fn.name].pop(0)
+    if isinstance(result, Exception):
+      raise result
+    return result
+
+  monkeypatch.setattr(harness, "cupti_us", fake)
+  return timings, calls
+
+
+def test_contenders_are_retimed_in_turn_and_the_others_keep_their_figures(scripted_cupti):
+  timings, calls = scripted_cupti
+  timings.update({"a": [5.0, 1.0, 9.0, 4.0, 6.0][:ROUNDS], "b": [2.0, 8.0, 3.0, 3.0, 3.0][:ROUNDS]})
+  records = [_record("a", 7.0, 9.0), _record("b", 6.0, 9.0), _record("c", 5.0, 9.0)]
+  out = runner._head_to_head(  # pylint: disable=protected-access
+      records, {"a": _built("a"), "b": _built("b")}, d=2, iterations=10)
+  assert calls == ["a", "b"] * ROUNDS
+  assert out[0].interleaved_us == tuple([5.0, 1.0, 9.0, 4.0, 6.0][:ROUNDS])
+  assert out[1].interleaved_us == tuple([2.0, 8.0, 3.0, 3.0, 3.0][:ROUNDS])
+  assert out[2] == records[2]
+  assert report.side_by_side_us(out[0]) == 5.0 and report.side_by_side_us(out[2]) is None
+  assert out[0].timing == records[0].timing  # the case's own figures stay
+
+
+def test_one_contender_alone_is_not_retimed(scripted_cupti):
+  _, calls = scripted_cupti
+  records = [_record("a", 7.0, 9.0), _record("b", 6.0, 9.0)]
+  assert runner._head_to_head(records, {"a": _built("a")}, d=2, iterations=10) == records  # pylint: disable=protected-access
+  assert not calls
+
+
+def test_a_failure_while_retiming_leaves_the_records_as_they_were(scripted_cupti, capsys):
+  timings, _ = scripted_cupti
+  timings.update({"a": [5.0] * ROUNDS, "b": [2.0, RuntimeError("device lost")]})
+  records = [_record("a", 7.0, 9.0), _record("b", 6.0, 9.0)]
+  assert runner._head_to_head(  # pylint: disable=protected-access
+      records, {"a": _built("a"), "b": _built("b")}, d=2, iterations=10) == records
+  assert "device lost" in capsys.readouterr().out
+
+
+def test_a_median_under_the_floor_is_flagged(scripted_cupti):
+  timings, _ = scripted_cupti
+  timings.update({"a": [0.5] * ROUNDS, "b": [2.0] * ROUNDS})
+  a, b = runner._head_to_head(  # pylint: disable=protected-access
+      [_record("a", 7.0, 9.0), _record("b", 6.0, 9.0)],
+      {"a": _built("a"), "b": _built("b")}, d=2, iterations=10)
+  assert a.warnings == ("HARNESS BUG? side by side<floor",) and not b.warnings
+
+
+def test_ratios_and_table_use_the_side_by_side_medians():
+  op = types.SimpleNamespace(speedup_base="base", compute_floor="floor",
+                             throughput_unit="TFLOP/s")
+  ours = dataclasses.replace(_record("ours", 10.0, 20.0), interleaved_us=(9.0, 8.0, 12.0))
+  base = dataclasses.replace(_record("base", 12.0, 30.0), interleaved_us=(16.0, 15.0, 17.0))
+  floor = dataclasses.replace(_record("floor", 5.0, 6.0), interleaved_us=(4.0, 4.0, 4.0))
+  other = _record("other", 40.0, 50.0)  # not a contender
+  records = [ours, base, floor, other]
+  cmp = report._comparisons(op, records)  # pylint: disable=protected-access
+  assert cmp[("ours", "s1")]["speedup_vs_base"] == pytest.approx(
+      {"cupti": 1.2, "dispatch": 1.5, "side": 16.0 / 9.0})
+  assert cmp[("ours", "s1")]["ratio_to_floor"] == pytest.approx(
+      {"cupti": 2.0, "dispatch": 20.0 / 6.0, "side": 9.0 / 4.0})
+  assert cmp[("other", "s1")]["speedup_vs_base"]["side"] is None
+  rows = {line.split()[1]: line for line in report._table(op, records, cmp)[2:] if line}  # pylint: disable=protected-access
+  assert "9.0 (8.0-12.0)" in rows["ours"] and "1.20/1.50/1.78" in rows["ours"]
+  assert "0.30/0.60 " in rows["other"] + " " and "(" not in rows["other"]
+
+
+def test_a_record_with_rounds_reads_back_from_its_json():
+  record = dataclasses.replace(_record("a", 7.0, 9.0), interleaved_us=(5.0, 1.0, 9.0))
+  text = json.dumps(dataclasses.asdict(record), default=str)
+  assert runner.Record.from_dict(json.loads(text)) == record
+  older = {k: v for k, v in json.loads(text).items() if k != "interleaved_us"}
+  assert runner.Record.from_dict(older).interleaved_us == ()
