@@ -51,22 +51,27 @@ def _pallas_support(p: Problem) -> str | None:
       p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fused(x, w, axis_name, config):
-  """(out, gathered x) from the fused kernel, differentiable.
+def _kernel(x, w, axis_name, config, return_gathered: bool):
+  return kernel.all_gather_matmul(x, w, axis_name=axis_name, config=config,
+                                  num_sms=platform.num_sms(), return_gathered=return_gathered)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fused(x, w, axis_name, config, return_gathered: bool):
+  """out, or (out, gathered x), from the fused kernel, differentiable.
 
   The backward pass is the dual op: dx = reduce-scatter(dout @ w^T) over the
   axis (`matmul_reduce_scatter`, plus the reduce-scatter of a cotangent of the
-  gathered x), and dw = gathered^T @ dout, using the gathered x the kernel
-  already returns.
+  gathered x), and dw = gathered^T @ dout. Differentiated, the kernel always
+  keeps the gathered x for that; otherwise only if it is returned.
   """
-  return kernel.all_gather_matmul(x, w, axis_name=axis_name, config=config,
-                                  num_sms=platform.num_sms())
+  out, gathered = _kernel(x, w, axis_name, config, return_gathered)
+  return (out, gathered) if return_gathered else out
 
 
-def _fused_fwd(x, w, axis_name, config):
-  out, gathered = _fused(x, w, axis_name, config)
-  return (out, gathered), (x, gathered, w)
+def _fused_fwd(x, w, axis_name, config, return_gathered: bool):
+  out, gathered = _kernel(x, w, axis_name, config, True)
+  return ((out, gathered) if return_gathered else out), (x, gathered, w)
 
 
 def _cotangent_like(ct, primal):
@@ -83,13 +88,14 @@ def _cotangent_like(ct, primal):
   return ct
 
 
-def _fused_bwd(axis_name, config, residuals, cotangents):
+def _fused_bwd(axis_name, config, return_gathered: bool, residuals, cotangents):
   del config
   x, gathered, w = residuals
-  d_out, d_gathered = cotangents
+  d_out, d_gathered = cotangents if return_gathered else (cotangents, None)
   dx = matmul_reduce_scatter(d_out, w.T, axis_name=axis_name)
-  dx = dx + lax.psum_scatter(d_gathered, axis_name, scatter_dimension=0,
-                             tiled=True).astype(dx.dtype)
+  if d_gathered is not None:
+    dx = dx + lax.psum_scatter(d_gathered, axis_name, scatter_dimension=0,
+                               tiled=True).astype(dx.dtype)
   dw = jnp.dot(gathered.T, d_out, preferred_element_type=jnp.float32).astype(w.dtype)
   return _cotangent_like(dx, x), _cotangent_like(dw, w)
 
@@ -98,8 +104,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _pallas(x, w, axis_name, return_gathered, problem):
-  out, gathered = _fused(x, w, axis_name, _kernel_config(problem))
-  return (out, gathered) if return_gathered else out
+  return _fused(x, w, axis_name, _kernel_config(problem), return_gathered)
 
 
 _TABLE = {
@@ -152,6 +157,9 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
       takes the tuned one for this device kind and problem
       (`jax_overlap/data`), else the kernel's heuristic.
     return_gathered: also return the gathered x, e.g. for a backward pass.
+      Left False, the fused kernel does not store this device's own rows of
+      it (one store of the shard per call saved); differentiated, it keeps
+      them for the backward pass either way.
 
   Returns:
     [D * M_shard, N_shard] in x's dtype, rows in device order along the axis

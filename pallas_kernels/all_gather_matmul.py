@@ -1,8 +1,10 @@
 """Fused all-gather + matmul on Hopper: one persistent kernel per device.
 
 Per shard: x [M_shard, K] (this device's rows), w [K, N_shard]; the kernel
-returns out = all_gather(x) @ w, [D * M_shard, N_shard], and the gathered x,
-[D * M_shard, K] (the receive buffer that the peers fill).
+returns out = all_gather(x) @ w, [D * M_shard, N_shard], and, if asked for,
+the gathered x, [D * M_shard, K]: the receive buffer that the peers fill,
+with this device's own rows stored beside theirs by the same sends. Not asked
+for, the own rows are not written (local tiles read x itself).
 
 Schedule. Output tiles are numbered step-major: step 0 is this device's own
 rows (no data to wait for), step s > 0 the rows of device (me + s) % D. Within a
@@ -211,8 +213,8 @@ class Pregathered:
 
 
 def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
-                      num_sms: int, pregathered: Pregathered | None = None,
-                      interpret=None):
+                      num_sms: int, return_gathered: bool = True,
+                      pregathered: Pregathered | None = None, interpret=None):
   """Runs the fused kernel on this shard.
 
   Args:
@@ -221,11 +223,16 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       shard_map over it); unused with `pregathered`.
     config: tiles; `unsupported_reason` must have accepted the shapes.
     num_sms: blocks of the persistent grid (the GPU's SM count).
+    return_gathered: also store this device's rows into the receive buffer,
+      so that it holds the whole gathered x, and return it. False saves a
+      store of the shard per call (2x H200: -0.7% at 4096x8192x7168, -1.5% at
+      1024x4096x4096 per shard; benchmarks/NOTES.md, AG v15).
     pregathered: replaces the exchange (see `Pregathered`).
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
 
   Returns:
-    (out [D * M_shard, N_shard], gathered x [D * M_shard, K]).
+    (out [D * M_shard, N_shard], gathered x [D * M_shard, K] or None if not
+    `return_gathered`); with `pregathered`, its gathered x.
   """
   exchange = pregathered is None
   d = lax.axis_size(axis_name) if exchange else pregathered.size
@@ -237,8 +244,11 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   tiles_per_step = m_chunks * n_tiles
   strip = config.strip_chunks or m_chunks
   remote = exchange and d > 1
-  forward_mode = exchange and config.send == "forward"
-  push_mode = exchange and config.send == "push"
+  # The sends carry the rows to the peers and, if asked, into the own copy of
+  # the gathered x; with one device and no copy there is nothing to send.
+  sends = remote or (exchange and return_gathered)
+  forward_mode = sends and config.send == "forward"
+  push_mode = sends and config.send == "push"
   # Pushing, the grid spans every SM: blocks past the last tile only push.
   grid = num_sms if push_mode else min(num_sms, d * tiles_per_step)
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
@@ -306,7 +316,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
           for peer in peers:
             plgpu.copy_smem_to_gmem(a_smem, plgpu.remote_ref(gathered_ref, peer).at[dst_rows, cols])
-          plgpu.copy_smem_to_gmem(a_smem, gathered_ref.at[dst_rows, cols])
+          if return_gathered:
+            plgpu.copy_smem_to_gmem(a_smem, gathered_ref.at[dst_rows, cols])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage is released next
 
       def signal_chunk():
@@ -401,7 +412,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           for peer in peers:
             plgpu.copy_smem_to_gmem(stages.at[slot],
                                     plgpu.remote_ref(gathered_ref, peer).at[dst, cols])
-          plgpu.copy_smem_to_gmem(stages.at[slot], gathered_ref.at[dst, cols])
+          if return_gathered:
+            plgpu.copy_smem_to_gmem(stages.at[slot], gathered_ref.at[dst, cols])
           # The other stage's last stores (piece j - 1's) landed at the end of
           # the previous step: load piece j + 1 there while piece j lands.
           pl.when(j + 1 < mine)(lambda: load(j + 1))
@@ -426,9 +438,12 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)
   if exchange:
     gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
-    outs = gemm_core.launch(body, out_type=(out_struct, gathered_struct),
-                            num_sms=grid, interpret=interpret)(x, w)
-    return vma.mark_varying(outs, vma.varying_axes(x, w, axis_name=axis_name))
+    out, gathered = gemm_core.launch(body, out_type=(out_struct, gathered_struct),
+                                     num_sms=grid, interpret=interpret)(x, w)
+    axes = vma.varying_axes(x, w, axis_name=axis_name)
+    if not return_gathered:
+      return vma.mark_varying(out, axes), None
+    return vma.mark_varying((out, gathered), axes)
   out = gemm_core.launch(body, out_type=out_struct, num_sms=grid,
                          interpret=interpret)(x, w, pregathered.gathered)
   axes = vma.varying_axes(x, w, pregathered.gathered)

@@ -109,11 +109,13 @@ def test_sharded_wrapper_with_mesh_argument_and_no_mesh_context(axis_type):
   reference.assert_close(out, reference.matmul(x, w), jnp.float32)
 
 
+@pytest.mark.parametrize("return_gathered", [True, False], ids=["gathered", "out_only"])
 @pytest.mark.parametrize("d", [1, 2, 4])
-def test_fused_kernel_backward_rule_matches_autodiff_of_the_bsp_path(d):
+def test_fused_kernel_backward_rule_matches_autodiff_of_the_bsp_path(d, return_gathered):
   """The custom VJP of impl="pallas" (its kernel needs Hopper GPUs) computes
   dx with matmul_reduce_scatter and dw from the gathered x; run its backward
-  rule here against jax.vjp of the XLA path, cotangents for both outputs."""
+  rule here against jax.vjp of the XLA path, with a cotangent for each output
+  (out, and the gathered x when it is returned)."""
   # The package re-exports the op under its module's name; fetch the module.
   agm_op = importlib.import_module("jax_overlap.all_gather_matmul")
   m_shard, k, n_shard, dtype = 4, 6, 5, jnp.float32
@@ -129,9 +131,11 @@ def test_fused_kernel_backward_rule_matches_autodiff_of_the_bsp_path(d):
 
   def body(x, w, d_out, d_gathered):
     gathered = jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
-    got = agm_op._fused_bwd(AXIS, None, (x, gathered, w), (d_out, d_gathered))  # pylint: disable=protected-access
-    _, vjp = jax.vjp(lambda x, w: xla_paths.all_gather_matmul_bsp(x, w, AXIS, True), x, w)
-    return (*got, *vjp((d_out, d_gathered)))
+    cotangents = (d_out, d_gathered) if return_gathered else d_out
+    got = agm_op._fused_bwd(AXIS, None, return_gathered, (x, gathered, w), cotangents)  # pylint: disable=protected-access
+    _, vjp = jax.vjp(
+        lambda x, w: xla_paths.all_gather_matmul_bsp(x, w, AXIS, return_gathered), x, w)
+    return (*got, *vjp(cotangents))
 
   specs = (P(AXIS, None), P(None, AXIS))
   dx, dw, dx_ref, dw_ref = jax.jit(jax.shard_map(

@@ -479,25 +479,35 @@ def test_outputs_are_typed_varying_over_the_axis():
   assert seen["types"] == [frozenset({"x"}), frozenset({"x"})]
 
 
+@pytest.mark.parametrize("return_gathered", [True, False], ids=["gathered", "out_only"])
 @pytest.mark.parametrize("d,shape,send", [
     (2, (1024, 4096, 4096), "forward"),
     (2, (128, 8192, 7168), "push"),
     (4, (512, 8192, 7168), "forward"),
     (4, (64, 3072, 2560), "push"),
+    (1, (384, 3072, 2560), "forward"),
+    (1, (384, 3072, 2560), "push"),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send):
+def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gathered):
   """The exchange (remote TMA stores, semaphores, per-chunk waits) lowers
-  for CUDA, with both send designs and at D = 2 and 4 (the interpreter
-  cannot run it)."""
+  for CUDA, with both send designs, at D = 1, 2 and 4, with and without the
+  own rows of the gathered x (the interpreter cannot run it); the gathered x
+  comes back only when asked for."""
   m, k, n = shape
   mesh = jax.make_mesh((d,), ("x",))
   config = dataclasses.replace(
       agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132), send=send)
   assert agm.unsupported_reason(m, k, n, BF16, config) is None
-  f = jax.jit(jax.shard_map(
-      lambda x, w: agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132),
-      mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
-      out_specs=(jax.P(None, "x"), jax.P(None, "x"))))
+
+  def body(x, w):
+    out, gathered = agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132,
+                                          return_gathered=return_gathered)
+    assert (gathered is not None) == return_gathered
+    return (out, gathered) if return_gathered else out
+
+  specs = (jax.P(None, "x"), jax.P(None, "x")) if return_gathered else jax.P(None, "x")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
+                            out_specs=specs))
   sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
                                                  sharding=jax.NamedSharding(mesh, spec))
   exported = jax.export.export(f, platforms=["cuda"])(
