@@ -51,7 +51,7 @@ def _pallas_support(p: Problem) -> str | None:
       p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
 
 
-def _kernel(x, w, axis_name, config, return_gathered: bool):
+def _run_kernel(x, w, axis_name, config, return_gathered: bool):
   return kernel.all_gather_matmul(x, w, axis_name=axis_name, config=config,
                                   num_sms=platform.num_sms(), return_gathered=return_gathered)
 
@@ -65,12 +65,12 @@ def _fused(x, w, axis_name, config, return_gathered: bool):
   gathered x), and dw = gathered^T @ dout. Differentiated, the kernel always
   keeps the gathered x for that; otherwise only if it is returned.
   """
-  out, gathered = _kernel(x, w, axis_name, config, return_gathered)
+  out, gathered = _run_kernel(x, w, axis_name, config, return_gathered)
   return (out, gathered) if return_gathered else out
 
 
 def _fused_fwd(x, w, axis_name, config, return_gathered: bool):
-  out, gathered = _kernel(x, w, axis_name, config, True)
+  out, gathered = _run_kernel(x, w, axis_name, config, True)
   return ((out, gathered) if return_gathered else out), (x, gathered, w)
 
 
