@@ -49,13 +49,14 @@ def scripted_cupti(monkeypatch):
 
 def test_contenders_are_retimed_in_turn_and_the_others_keep_their_figures(scripted_cupti):
   timings, calls = scripted_cupti
-  timings.update({"a": [5.0, 1.0, 9.0, 4.0, 6.0][:ROUNDS], "b": [2.0, 8.0, 3.0, 3.0, 3.0][:ROUNDS]})
+  assert ROUNDS == 5  # the scripted rounds below
+  timings.update({"a": [5.0, 1.0, 9.0, 4.0, 6.0], "b": [2.0, 8.0, 3.0, 3.0, 3.0]})
   records = [_record("a", 7.0, 9.0), _record("b", 6.0, 9.0), _record("c", 5.0, 9.0)]
   out = runner._head_to_head(  # pylint: disable=protected-access
       records, {"a": _built("a"), "b": _built("b")}, d=2, iterations=10)
   assert calls == ["a", "b"] * ROUNDS
-  assert out[0].interleaved_us == tuple([5.0, 1.0, 9.0, 4.0, 6.0][:ROUNDS])
-  assert out[1].interleaved_us == tuple([2.0, 8.0, 3.0, 3.0, 3.0][:ROUNDS])
+  assert out[0].interleaved_us == (5.0, 1.0, 9.0, 4.0, 6.0)
+  assert out[1].interleaved_us == (2.0, 8.0, 3.0, 3.0, 3.0)
   assert out[2] == records[2]
   assert report.side_by_side_us(out[0]) == 5.0 and report.side_by_side_us(out[2]) is None
   assert out[0].timing == records[0].timing  # the case's own figures stay
