@@ -13,7 +13,9 @@ by default one strip), so each chunk's first tiles come early. The
 local rows reach the peers' receive buffers in one of two ways (config.send):
 "forward" TMA-stores each A tile of the local shard to the peers while it
 sits in shared memory for the `wgmma` of one of its row chunk's first tiles
-(no extra HBM read; the chunk's K steps are spread over several such tiles)
+(no extra HBM read; the chunk's K steps are spread over several such tiles;
+the stage is released a step later, once the store has read it, so the
+sending warpgroup runs the next step's wgmma meanwhile instead of stalling)
 and signals when that tile's K loop ends; a tile of a remote step waits for
 its own (source, chunk) semaphore. "push" has some blocks copy pieces
 [cta_m, push_cols] of the shard to the peers in K order before their first
@@ -251,7 +253,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   push_mode = sends and config.send == "push"
   # Pushing, the grid spans every SM: blocks past the last tile only push.
   grid = num_sms if push_mode else min(num_sms, d * tiles_per_step)
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, sends_a=forward_mode)
   pushers = grid if config.pushers is None else min(config.pushers, grid)
   push_cols = config.push_cols(k)
   pieces_per_chunk = k // push_cols
@@ -309,16 +311,16 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       forwards = (wg == 0) & (visit < forwarders)
       dst_rows = pl.ds(row0, tiles.cta_m)
 
+      @jax.named_scope("forward")
       def forward(k_idx, a_smem):
-        @pl.when(forwards & (lax.rem(k_idx, forwarders) == visit))
-        @jax.named_scope("forward")
-        def _():
-          cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
-          for peer in peers:
-            plgpu.copy_smem_to_gmem(a_smem, plgpu.remote_ref(gathered_ref, peer).at[dst_rows, cols])
-          if return_gathered:
-            plgpu.copy_smem_to_gmem(a_smem, gathered_ref.at[dst_rows, cols])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage is released next
+        cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
+        dsts = [plgpu.remote_ref(gathered_ref, peer) for peer in peers]
+        dsts += [gathered_ref] if return_gathered else []
+        for i, dst in enumerate(dsts):
+          plgpu.copy_smem_to_gmem(a_smem, dst.at[dst_rows, cols], commit_group=i == len(dsts) - 1)
+
+      send_a = gemm_core.ASend(
+          when=lambda k_idx: forwards & (lax.rem(k_idx, forwarders) == visit), issue=forward)
 
       def signal_chunk():
         @pl.when(forwards)
@@ -348,7 +350,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         local_rows = x_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m)]
         if forward_mode:
           core(scratch, local_rows, b_cols, out_tile,
-               on_a_tile=forward, after_k=signal_chunk if remote else None, **order)
+               send_a=send_a, after_k=signal_chunk if remote else None, **order)
         elif paced:
           core(scratch, local_rows, b_cols, out_tile, before_load=pace, **order)
         else:

@@ -7,13 +7,14 @@ ring (`plgpu.emit_pipeline_warp_specialized`), warpgroups 0 and 1 each run
 registers, and store the result through shared memory with TMA.
 
 Kernels drive the core tile by tile from their own schedules, and can hook into
-it: `on_a_tile(k_idx, a_smem)` sees each A tile while it sits in shared memory
-(e.g. to forward it to a peer with no extra HBM read; a copy issued from it
-must have finished reading it before the hook returns, because the stage is
-released right after), `after_k()` runs in the compute warpgroups once the
-tile's K loop is done, and `before_load(k_idx)` runs in the memory warpgroup
-just before it issues step k_idx's loads (e.g. to wait for a peer's rows to
-arrive without stalling the compute warpgroups on the steps before them).
+it: `send_a` TMA-stores chosen A tiles from shared memory while the wgmma reads
+them (e.g. to forward them to a peer with no extra HBM read; the stage is
+released once the stores have read it, one step later, so the compute
+warpgroup does not stall on them), `after_k()` runs in the compute warpgroups
+once the tile's K loop is done, and `before_load(k_idx)` runs in the memory
+warpgroup just before it issues step k_idx's loads (e.g. to wait for a peer's
+rows to arrive without stalling the compute warpgroups on the steps before
+them).
 """
 
 from collections.abc import Callable
@@ -84,6 +85,22 @@ class GemmTiles:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ASend:
+  """A tiles that a compute warpgroup TMA-stores out of the ring.
+
+  Attributes:
+    when: when(k_idx) -> traced bool: whether this warpgroup stores step
+      k_idx's A tile (evaluated in both compute warpgroups).
+    issue: issue(k_idx, a_smem) issues the stores of a_smem ([cta_m, tile_k])
+      and commits them as one bulk group (`commit_group` on the last copy).
+  The core releases the stage once the group has read it: at the next step,
+  whose wgmma runs meanwhile, or at once on the tile's last step.
+  """
+  when: Callable
+  issue: Callable
+
+
 def _smem_transforms(minor_elems: int, dtype) -> tuple:
   swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
   return (
@@ -96,16 +113,21 @@ class TileMatmul:
   """Runs [cta_m, K] @ [K, cta_n] tiles inside a kernel with a "wg" thread axis.
 
   Use `scratch()` once per kernel (inside `pl.run_scoped(..., collective_axes=
-  "wg")`) and call `__call__` for each tile from all three warpgroups.
+  "wg")`) and call `__call__` for each tile from all three warpgroups. A core
+  whose tiles get `send_a` must be built with `sends_a=True`: its stages are
+  then released per operand (A's release can wait for the stores).
   """
 
-  # Stages are released as soon as a step's wgmma is done. Delaying the
-  # release (BlockSpec.delay_release) is unsafe across tiles: the pipeline
-  # never awaits the last step's delayed release, so the next tile's prologue
-  # can refill that stage while it is still being read.
-  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype):
+  # Stages are released as soon as a step's wgmma is done; with `send_a`, a
+  # sent A tile's stage once its stores have read it, at the latest on the
+  # tile's last step. The pipeline's own delayed release
+  # (BlockSpec.delay_release) is unsafe across tiles: it never awaits the last
+  # step's delayed release, so the next tile's prologue can refill that stage
+  # while it is still being read.
+  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype, *, sends_a: bool = False):
     self.tiles = tiles
     self.k_steps = k // tiles.tile_k
+    self.sends_a = sends_a
     self.dtype = jnp.dtype(dtype)
     self.out_dtype = jnp.dtype(out_dtype)
 
@@ -139,7 +161,13 @@ class TileMatmul:
         max_concurrent_steps=t.stages,
         compute_context=compute_context,
         pipeline_state=state,
+        manual_consumed_barriers=self.sends_a,
     )
+
+  @property
+  def stages(self) -> int:
+    """The ring's depth: the pipeline caps it at the K steps."""
+    return min(self.tiles.stages, self.k_steps)
 
   def scratch(self, a_gmem, b_gmem) -> dict:
     """Shared-memory allocations, as keyword arguments for `pl.run_scoped`."""
@@ -159,7 +187,7 @@ class TileMatmul:
       a_rows,
       b_cols,
       out_tile,
-      on_a_tile: Callable | None = None,
+      send_a: ASend | None = None,
       after_k: Callable | None = None,
       before_load: Callable | None = None,
       first=None,
@@ -171,9 +199,8 @@ class TileMatmul:
       scratch: what `scratch()` allocated.
       a_rows: [cta_m, K] GMEM ref. b_cols: [K, cta_n] GMEM ref.
       out_tile: [cta_m, cta_n] GMEM ref.
-      on_a_tile: called as on_a_tile(k_idx, a_smem) by both compute
-        warpgroups after issuing each step's wgmma; a_smem is [cta_m, tile_k].
-        Copies it issues from a_smem must be done reading when it returns.
+      send_a: A tiles to store out of the ring (see `ASend`); needs
+        `sends_a=True`.
       after_k: called by both compute warpgroups after the last K step, before
         the epilogue.
       before_load: called as before_load(k_idx) by the memory warpgroup just
@@ -193,11 +220,40 @@ class TileMatmul:
     else:
       wg_rows, wg_cols = slice(None), pl.ds(wg * t.tile_n, t.tile_n)
 
-    def mma(idxs, a_smem, b_smem, acc):
+    if send_a is not None and not self.sends_a:
+      raise ValueError("send_a needs a core built with sends_a=True.")
+
+    def mma(idxs, a_smem, b_smem, *consumed_and_acc):
+      *consumed, acc = consumed_and_acc
       plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
-      if on_a_tile is not None:
-        on_a_tile(idxs[0], a_smem)
+      if not self.sends_a:
+        plgpu.wgmma_wait(0)
+        return acc
+      a_consumed, b_consumed = consumed
+      (k_idx,) = idxs
+      if send_a is None:
+        sends = held = jnp.bool(False)
+      else:
+        sends = send_a.when(k_idx)
+        held = (k_idx > 0) & send_a.when(k_idx - 1)
+        pl.when(sends)(lambda: send_a.issue(k_idx, a_smem))
+
+      @pl.when(held)
+      def _release_previous():
+        # The previous step's stores (the group before this step's, if any)
+        # are done reading its stage.
+        pl.when(sends)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+        pl.when(~sends)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+        ring = scratch["pipeline"]["flat_consumed_barrier_refs"][0]
+        plgpu.barrier_arrive(ring.at[lax.rem(k_idx - 1, self.stages)])
+
       plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(b_consumed)
+
+      @pl.when(~sends | (k_idx == self.k_steps - 1))
+      def _release():
+        pl.when(sends)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+        plgpu.barrier_arrive(a_consumed)
       return acc
 
     def compute_context(run_k_loop):

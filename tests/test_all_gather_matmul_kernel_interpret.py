@@ -209,18 +209,20 @@ def test_no_data_races_in_the_pipeline(k, num_sms, interpreter):
 # and the race detector checks the hook's ordering against the TMA ring.
 
 
-def _hooked_gemm(x, w, tiles, interpret, hooks, *, a_from_second=False, scratch=()):
+def _hooked_gemm(x, w, tiles, interpret, hooks, *, a_from_second=False, scratch=(),
+                 sends_a=False):
   """(x @ w, the second output) on one block.
 
   hooks(x_ref, second_ref, scratch_refs, rows, n_idx) returns the core's hook
   keyword arguments for the tile of row chunk `rows` and column n_idx;
   `scratch` are allocations (in every warpgroup) passed to it; with
-  a_from_second the core reads A from the second output, not from x."""
+  a_from_second the core reads A from the second output, not from x;
+  sends_a builds the core for a `send_a` hook."""
   m, k = x.shape
   n = w.shape[1]
   m_chunks = m // tiles.cta_m
   n_tiles = m_chunks * (n // tiles.cta_n)
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, sends_a=sends_a)
 
   def body(x_ref, w_ref, out_ref, second_ref, *scratch_refs):
     a_ref = second_ref if a_from_second else x_ref
@@ -261,30 +263,49 @@ _HOOK_TILES = gemm_core.GemmTiles(tile_m=64, tile_n=64, tile_k=64, stages=2)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stride", [1, 2], ids=["every_step", "every_other_step"])
 @pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
-def test_forward_hook_is_race_free(k, interpreter):
-  """The "forward" send: `on_a_tile` TMA-stores each A tile of a column-0
-  tile from its stage and waits until the store has read it, since the
-  pipeline releases the stage right after (an earlier version that released
-  stages one step late raced with the next tile's prologue loads). The block
-  runs the forwarding tiles (column 0), then the tiles of column 1."""
+def test_send_a_is_race_free(k, stride, interpreter):
+  """The "forward" send: `send_a` TMA-stores A tiles of the column-0 tiles
+  from their stages, and the core releases a sent stage one step later, once
+  its store has read it (at the latest on the tile's last step). The block
+  runs the forwarding tiles (column 0), then the tiles of column 1; with
+  stride 1 a store is in flight at every step of a forwarding tile (k = 192:
+  3 steps, the last one's stage released on the tile's last step), with
+  stride 2 every other step. Checked: the sent columns, the product, and no
+  race seen by the interpreter's detector (which reports races when the
+  core's waits for the stores are removed)."""
   def hooks(x_ref, copy_ref, scratch_refs, rows, n_idx):
     del x_ref, scratch_refs
     wg = lax.axis_index(gemm_core.WG_AXIS)
 
     def forward(k_idx, a_smem):
-      @pl.when((wg == 0) & (n_idx == 0))
-      def _():
-        plgpu.copy_smem_to_gmem(
-            a_smem, copy_ref.at[rows, pl.ds(k_idx * _HOOK_TILES.tile_k, _HOOK_TILES.tile_k)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    return dict(on_a_tile=forward)
+      cols = pl.ds(k_idx * _HOOK_TILES.tile_k, _HOOK_TILES.tile_k)
+      plgpu.copy_smem_to_gmem(a_smem, copy_ref.at[rows, cols])
+
+    def when(k_idx):
+      return (wg == 0) & (n_idx == 0) & (lax.rem(k_idx, stride) == 0)
+    return dict(send_a=gemm_core.ASend(when=when, issue=forward))
 
   x, w = _operands("forward-hook", k)
-  out, copied = _hooked_gemm(x, w, _HOOK_TILES, interpreter(detect_races=True), hooks)
+  out, copied = _hooked_gemm(x, w, _HOOK_TILES, interpreter(detect_races=True), hooks,
+                             sends_a=True)
   assert_matmul_close(out, x, w, BF16)
-  np.testing.assert_array_equal(np.asarray(copied), x)
+  sent = np.arange(k) // _HOOK_TILES.tile_k % stride == 0
+  np.testing.assert_array_equal(np.asarray(copied)[:, sent], x[:, sent])
   assert not interpret_pallas_call.get_races().races_found
+
+
+def test_send_a_needs_a_core_built_for_it(interpreter):
+  """A core built without sends_a releases stages at once: send_a is refused."""
+  def hooks(x_ref, copy_ref, scratch_refs, rows, n_idx):
+    del x_ref, copy_ref, scratch_refs, rows, n_idx
+    return dict(send_a=gemm_core.ASend(when=lambda k_idx: k_idx == 0,
+                                       issue=lambda k_idx, a_smem: None))
+
+  x, w = _operands("forward-hook", 192)
+  with pytest.raises(ValueError, match="sends_a=True"):
+    _hooked_gemm(x, w, _HOOK_TILES, interpreter(), hooks)
 
 
 @pytest.mark.timeout(120)
