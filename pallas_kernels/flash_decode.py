@@ -40,11 +40,13 @@ the output is replicated bit for bit. Each group's G rows of the output
 [B * Hq, Dh] are stored (no padding to strip afterwards).
 
 The persistent grid (at most one block per SM, all resident) runs its phase-1
-items before its phase-2 items; phase 1 never waits, so every wait is for
-work that runs unconditionally and cannot deadlock (unless another kernel held
-SMs concurrently, not seen). Calls are safe back to back: XLA zeroes the
-semaphores and runs a cross-device barrier before each launch of a collective
-Mosaic GPU kernel, so no device writes into a peer before it has entered.
+items before its phase-2 items; phase 1 waits only for the peers to have
+entered the call, so every wait is for work that runs unconditionally and
+cannot deadlock (unless another kernel held SMs concurrently, not seen).
+Calls are safe back to back without XLA's cross-device barrier: the last
+block (the one with the fewest phase-1 items) runs `entry.Entry`'s handshake
+while the others attend, and a block waits for it before its first store
+into a peer, so no device writes into a peer before that peer has entered.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler: attend,
 deliver (inside attend), merge, wait_partials (inside merge).
@@ -67,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import entry
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -262,6 +265,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       out_ref, recv_o, recv_lse = refs
       me = lax.axis_index(axis_name) if remote else 0
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((tiles, d)))
+      if remote:
+        peers_in = entry.Entry(axis_name, d, me)
+        pl.when(lax.axis_index("sm") == grid - 1)(peers_in.porter)
     else:
       given_o, given_lse, out_ref, recv_o, recv_lse = refs
       me = received.index
@@ -280,6 +286,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       next item or after its last, so no item waits for a remote round trip
       before the next one starts."""
       src, dst = pl.ds(window, group), pl.ds(bh * group, group)
+      if remote:
+        pl.when(item < grid)(peers_in.wait)  # the block's first store into a peer
       for dev in destinations:
         o_to, lse_to = (recv_o, recv_lse) if dev is None else (
             plgpu.remote_ref(recv_o, {axis_name: dev}), plgpu.remote_ref(recv_lse, {axis_name: dev}))
@@ -499,6 +507,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     inputs += (received.o, received.lse)
   out, recv_o, recv_lse = plgpu.kernel(
       body, out_type=out_types, grid=(grid,), grid_names=("sm",), interpret=interpret,
+      compiler_params=plgpu.CompilerParams(skip_device_barrier=remote),
   )(*inputs)
   out = out.reshape(b, hq, dh)
   if exchange:

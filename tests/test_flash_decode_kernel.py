@@ -136,7 +136,9 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
     (BF16, 128, 64, 8, 8192), (F16, 64, 32, 8, 8192), (BF16, 128, 8, 8, 8192),
     (BF16, 128, 64, 1, 32768)])  # 16 splits, merged 16 at a time
 def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
-  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2."""
+  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2,
+  and the devices meet inside the kernel (entry.Entry's handshake: the spin
+  on a peer's marker), not at XLA's barrier."""
   mesh = jax.make_mesh((2,), ("x",))
   hkv = 8
   config = fd.default_config(b, hkv, hq, s_total // 2, dh, dtype, num_sms=132)
@@ -151,7 +153,9 @@ def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
   kv = sds((b, s_total, hkv, dh), dtype, kv_spec)
   exported = jax.export.export(f, platforms=["cuda"])(
       sds((b, hq, dh), dtype, q_spec), kv, kv, sds((b,), jnp.int32, q_spec))
-  assert "mosaic_gpu" in exported.mlir_module()
+  module = exported.mlir_module()
+  assert "mosaic_gpu" in module
+  assert "skip_device_barrier = true" in module and "bra SPIN" in module
 
 
 @pytest.mark.parametrize("shape", shapes.FLASH_DECODE, ids=str)

@@ -1,0 +1,104 @@
+"""An entry handshake that replaces XLA's cross-device barrier.
+
+XLA runs a barrier kernel before every launch of a collective Mosaic GPU
+kernel (unless `skip_device_barrier=True`), because it zeroes the kernel's
+semaphores just before each launch: a signal from a peer that has already
+entered the next call could otherwise land before that zeroing and be lost.
+The barrier costs every device ~4 µs even when the devices arrive together,
+and holds the device that arrives first until the last one has arrived,
+although most of a kernel's work needs nothing from its peers.
+
+Here one block per device (the "porter") does the handshake while the others
+start their local work; a block waits for it only before it first writes
+into a peer (a TMA store or a signal). The handshake never signals a peer
+that may not have entered: each device adds a two-word marker to its own
+semaphores, one slot per reader, after XLA has zeroed them (it runs inside
+the kernel), and a device learns that a peer has entered by *reading* its
+slot on that peer until it holds the marker; a read cannot be wiped. Until the
+peer has entered, the slot may hold anything (zeros, an earlier call's
+counts, another kernel's live data): both words must match, a chance of
+2^-64 for any other content. The reader then subtracts the marker from the
+slot (it consumed it: no marker outlives its call, so a later call cannot
+read a stale one before the peer's zeroing) and raises this device's `go`
+semaphore, on which the other blocks wait.
+
+Why the peer cannot be gone by then, and why no write outlives a call: the
+kernels that use this write into a peer only what that peer waits for before
+it exits (partials, operand rows, their signals), and those writes are
+ordered after the read that consumed the marker (release/acquire through
+`go`), so the peer exits only after they, and the consuming subtraction
+before them, have landed.
+"""
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# SHA-256's first and third initial hash words (both < 2^31, so positive
+# int32 increments).
+MARKER = (0x6A09E667, 0x3C6EF372)
+
+
+class Entry:
+  """The handshake's semaphores in one kernel over `axis_name` (size d >= 2).
+
+  Build it inside the kernel body (it allocates global semaphores); one block
+  calls `porter()` before anything that waits for a peer, and every block
+  calls `wait()` before it first writes into a peer.
+  """
+
+  def __init__(self, axis_name, d: int, me):
+    self._axis_name, self._d, self._me = axis_name, d, me
+    # slots[reader]: the marker that this device leaves for that reader.
+    self._slots = pl.get_global(plgpu.SemaphoreType.REGULAR((d, len(MARKER))))
+    self._go = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+  def _peers(self):
+    return [lax.rem(self._me + offset, self._d) for offset in range(1, self._d)]
+
+  def porter(self) -> None:
+    """Leaves the marker for every peer, reads each peer's marker for this
+    device (spinning until it is there), consumes it, then raises `go`."""
+    for peer in self._peers():
+      for word, value in enumerate(MARKER):
+        pl.semaphore_signal(self._slots.at[peer, word], value)
+    for peer in self._peers():
+      _await_marker(plgpu.remote_ref(self._slots.at[self._me], {self._axis_name: peer}))
+      for word, value in enumerate(MARKER):
+        pl.semaphore_signal(self._slots.at[self._me, word], -value,
+                            device_id={self._axis_name: peer})
+    pl.semaphore_signal(self._go, 1)
+
+  def wait(self) -> None:
+    """Returns once every peer has entered this call (`porter` has run)."""
+    pl.semaphore_wait(self._go, 1, decrement=False)
+
+
+def _await_marker(words) -> None:
+  """Spins (one thread of the warpgroup) until the two int32 words of `words`
+  (a peer's slot, through `plgpu.remote_ref`) equal MARKER; acquire order, so
+  that what the peer did before leaving it (XLA's zeroing) is visible."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def spin(_, ref):
+    ptr = mgpu_utils.memref_ptr(ref)
+    with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+      mgpu_utils.inline_ptx(
+          "{\n"
+          ".reg .pred differ;\n"
+          ".reg .b32 first, second;\n"
+          "SPIN:\n"
+          "ld.relaxed.sys.global.b32 first, [$0];\n"
+          "ld.relaxed.sys.global.b32 second, [$0+4];\n"
+          f"setp.ne.b32 differ, first, {MARKER[0]};\n"
+          f"setp.ne.or.b32 differ, second, {MARKER[1]}, differ;\n"
+          "@differ bra SPIN;\n"
+          "fence.acquire.sys;\n"
+          "}",
+          ptr,
+          has_side_effects=True,
+      )
+    mgpu_utils.warpgroup_barrier()
+
+  spin(words)
