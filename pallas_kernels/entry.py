@@ -22,12 +22,18 @@ slot (it consumed it: no marker outlives its call, so a later call cannot
 read a stale one before the peer's zeroing) and raises this device's `go`
 semaphore, on which the other blocks wait.
 
-Why the peer cannot be gone by then, and why no write outlives a call: the
-kernels that use this write into a peer only what that peer waits for before
-it exits (partials, operand rows, their signals), and those writes are
-ordered after the read that consumed the marker (release/acquire through
+Why the peer cannot be gone by then, and why no write outlives a call: a
+kernel that uses this must write into a peer only what that peer waits for
+before it exits (the decode kernel: partials and their signals); those writes
+are ordered after the read that consumed the marker (release/acquire through
 `go`), so the peer exits only after they, and the consuming subtraction
 before them, have landed.
+
+It pays where a kernel's first write into a peer comes well after its start
+(the decode kernel's, after its attention). Where the sends start at once, as
+in the all-gather matmul, the handshake's own latency (a remote read, the
+subtraction, the release of `go`: ~3 µs) is on the critical path like the
+barrier's, and it measured no faster (benchmarks/NOTES.md, AG v17).
 """
 
 from jax import lax
