@@ -21,11 +21,12 @@ group's first (G of them its group's, Gp = G rounded up to 8 so that every
 group starts on an 8-row tile of the receive buffers) and its log-sum-exp
 (broadcast over LSE_COLS columns) are TMA-stored into every device's receive
 buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at row
-(b * Hkv + h) * Gp of slot me * splits + split, this device's own buffers
-first, and the semaphore of (its merge tile, this source device) is raised on
-each device once the rows have landed there: here at once, on the peers while
-the block runs its next item (or after its last), so that no item waits for a
-remote round trip before the next one starts. A merge tile is 64 // Gp
+(b * Hkv + h) * Gp of slot me * splits + split, and the semaphore of (its
+merge tile, this source device) is raised on each device once the rows have
+landed there: here at once, before the stores into the peers are issued (a
+release fence after them would wait for them), on the peers while the block
+runs its next item (or after its last), so that no item waits for a remote
+round trip before the next one starts (see `signal`). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
@@ -67,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import entry
@@ -80,7 +82,10 @@ ROWS = 64  # the M of a wgmma: query rows per item and per output tile
 # reads 8 of them (a 32-byte TMA row).
 LSE_COLS = 32
 LSE_MERGE_COLS = 8
-MERGE_BATCH = 16  # most partials merged per step of the merge ring (unrolled)
+# Most partials merged per step of the merge ring (unrolled): 16 splits take
+# two steps, the second's loads under the first's arithmetic (b1_s32768: 0.4
+# µs less than one step of 16).
+MERGE_BATCH = 8
 # Dynamic shared memory per block on H100/H200, less room for barriers and
 # alignment (Mosaic GPU counted ~2.8 KB more than the buffers at Dh = 128).
 SMEM_BYTES = 227 * 1024 - 4096
@@ -129,7 +134,7 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
                    dtype, *, num_sms: int) -> FlashDecodeConfig:
   """One wave of phase-1 items: the most splits (each a whole number of
   steps) with B * Hkv * splits <= the SM count; the deepest K/V ring (<= 4)
-  that fits; combine columns halved (>= 32) until the merge spreads over at
+  that fits; combine columns halved (>= 16) until the merge spreads over at
   least a quarter of the SMs."""
   block_kv = 128 if s_shard % 128 == 0 else 64
   steps = max(1, s_shard // block_kv)
@@ -137,7 +142,7 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
   splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or items * d <= num_sms))
   _, tiles = merge_tiles(batch, q_heads, kv_heads)
   cols = head_dim
-  while cols > 32 and tiles * (head_dim // cols) < num_sms // 4:
+  while cols > 16 and tiles * (head_dim // cols) < num_sms // 4:
     cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
   stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
@@ -187,6 +192,28 @@ class Received:
   o: jax.Array
   lse: jax.Array
   index: int
+
+
+def signal(sem, scope: str = "gpu") -> None:
+  """Adds 1 to semaphore `sem` (this device's, or with scope "sys" a peer's
+  through `plgpu.remote_ref`) with release order at that scope, from the
+  warpgroup's first thread: the one that issued, and awaited, the TMA
+  stores the signal announces.
+
+  `pl.semaphore_signal` adds without order and then runs `fence.release.sys`
+  on every thread, which waits for the block's stores into peers still in
+  flight (~3 kcyc here) even when it announces only local ones. Awaiting a
+  TMA store to a peer (`wait_smem_to_gmem`) does not make it visible there
+  before a relaxed add: the release is needed (seen: wrong outputs)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def add(_, ref):
+    mgpu_utils.inline_ptx(
+        f"red.release.{scope}.global.add.u32 [$0], 1;", mgpu_utils.memref_ptr(ref),
+        predicate=mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP),
+        has_side_effects=True)
+
+  add(sem)
 
 
 def padded_group(group: int) -> int:
@@ -272,36 +299,36 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       given_o, given_lse, out_ref, recv_o, recv_lse = refs
       me = received.index
     sm = lax.axis_index("sm")
-    # This device (None: its own buffers and semaphores, no NVLink path), then its peers.
-    destinations = [None] + ([lax.rem(me + offset, d) for offset in range(1, d)] if remote else [])
+    peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
 
     @jax.named_scope("deliver")
     def deliver(o_smem, lse_smem, window, bh, slot, item):
       """Stores group bh's rows, from row `window` of the staging tiles, into
-      every device's receive buffers, this device's first (the seam: into
-      this one's, plus the peers' rows from `received`), and raises the merge
-      tile's semaphore for this source here once the own rows have landed.
-      The peers' semaphores are raised by `publish`: the block's previous
-      item's here (its stores have long landed), this item's at the block's
-      next item or after its last, so no item waits for a remote round trip
-      before the next one starts."""
+      this device's receive buffers and raises the merge tile's semaphore for
+      this source here once they have landed; then raises the peers'
+      semaphores for the block's previous item (its stores there have long
+      landed) and stores this item's rows into the peers, whose semaphores
+      `publish` raises at the block's next item or after its last: no item
+      waits for a remote round trip before the next one starts, and the
+      local signal does not wait for the remote stores. The seam: after the
+      own rows, the peers' rows from `received`."""
       src, dst = pl.ds(window, group), pl.ds(bh * group, group)
-      if remote:
-        pl.when(item < grid)(peers_in.wait)  # the block's first store into a peer
-      for dev in destinations:
-        o_to, lse_to = (recv_o, recv_lse) if dev is None else (
-            plgpu.remote_ref(recv_o, {axis_name: dev}), plgpu.remote_ref(recv_lse, {axis_name: dev}))
+
+      def store(o_to, lse_to):
         plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
         plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
+
+      store(recv_o, recv_lse)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if exchange:
-        # Store groups complete in issue order: the previous item's to the
-        # peers, this item's own (two), this item's to the peers (two each).
-        plgpu.wait_smem_to_gmem(2 * (d - 1), wait_read_only=False)
+        signal(ready.at[bh // per_tile, me])
         if remote:
           pl.when(item >= grid)(lambda: publish(item - grid))
-        pl.semaphore_signal(ready.at[bh // per_tile, me], 1)
+          pl.when(item < grid)(peers_in.wait)  # the block's first store into a peer
+          for dev in peers:
+            store(plgpu.remote_ref(recv_o, {axis_name: dev}),
+                  plgpu.remote_ref(recv_lse, {axis_name: dev}))
         return
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
       def relay(peer, loaded):  # the seam: what peer `peer` would have stored
         peer_slot = peer * splits + lax.rem(slot, splits)
@@ -378,9 +405,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     def publish(item):
       """Raises phase-1 item `item`'s merge-tile semaphore on every peer; its
       stores there have landed."""
-      for dev in destinations[1:]:
-        pl.semaphore_signal(ready.at[item // splits // per_tile, me], 1,
-                            device_id={axis_name: dev})
+      for dev in peers:
+        signal(plgpu.remote_ref(ready.at[item // splits // per_tile, me], {axis_name: dev}),
+               "sys")
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged
@@ -429,12 +456,13 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           with jax.named_scope("wait_partials"):
             pl.semaphore_wait(ready.at[tile, dev], groups * splits, decrement=False)
         slots = pl.ds(dev * splits, splits)
-        return plgpu.emit_pipeline(
-            step, grid=(splits // batch,),
-            in_specs=[plgpu.BlockSpec((batch, ROWS, cols), lambda p: (p, 0, 0)),
-                      plgpu.BlockSpec((batch, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
-            max_concurrent_steps=merge_stages, init_carry=empty(),
-        )(recv_o.at[slots, tile_rows, tile_cols], recv_lse.at[slots, tile_rows])
+        with jax.named_scope("fold"):
+          return plgpu.emit_pipeline(
+              step, grid=(splits // batch,),
+              in_specs=[plgpu.BlockSpec((batch, ROWS, cols), lambda p: (p, 0, 0)),
+                        plgpu.BlockSpec((batch, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
+              max_concurrent_steps=merge_stages, init_carry=empty(),
+          )(recv_o.at[slots, tile_rows, tile_cols], recv_lse.at[slots, tile_rows])
 
       # This device's partials land first: merge them while the peers' are in
       # flight. The sources are then combined in device order, this one's in
@@ -448,8 +476,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       safe_l = jnp.where(l > 0, l, 1.0)  # a sequence of length 0 yields zeros
       out_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
       plgpu.commit_smem()
-      store_output(tile, out_smem, tile_cols)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      with jax.named_scope("store_out"):
+        store_output(tile, out_smem, tile_cols)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def store_output(tile, out_smem, tile_cols):
       """The tile's groups' G rows of out [B * Hq, Dh]: one store when the
@@ -478,6 +507,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
 
       if remote:
         @pl.when(sm < items)
+        @jax.named_scope("publish")
         def _():  # the block's last item
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           publish(sm + (items - 1 - sm) // grid * grid)

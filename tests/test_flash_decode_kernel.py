@@ -134,7 +134,7 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
 
 @pytest.mark.parametrize("dtype,dh,hq,b,s_total", [
     (BF16, 128, 64, 8, 8192), (F16, 64, 32, 8, 8192), (BF16, 128, 8, 8, 8192),
-    (BF16, 128, 64, 1, 32768)])  # 16 splits, merged 16 at a time
+    (BF16, 128, 64, 1, 32768)])  # 16 splits, merged 8 at a time
 def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
   """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2,
   and the devices meet inside the kernel (entry.Entry's handshake: the spin
@@ -156,6 +156,8 @@ def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
   module = exported.mlir_module()
   assert "mosaic_gpu" in module
   assert "skip_device_barrier = true" in module and "bra SPIN" in module
+  # Signals with release order, at system scope only for the peers'.
+  assert "red.release.gpu" in module and "red.release.sys" in module
 
 
 @pytest.mark.parametrize("shape", shapes.FLASH_DECODE, ids=str)
@@ -190,8 +192,8 @@ def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
 
 def test_merge_ring_takes_as_many_partials_per_step_as_fit():
   itemsize = 2
-  assert fd.FlashDecodeConfig(128, 16, 2, 32).merge_ring(itemsize) == (16, 1)
-  assert fd.FlashDecodeConfig(128, 32, 2, 32).merge_ring(itemsize) == (8, 2)  # 16 x 2 would not fit
+  assert fd.FlashDecodeConfig(128, 16, 2, 32).merge_ring(itemsize) == (8, 2)  # MERGE_BATCH
+  assert fd.FlashDecodeConfig(128, 12, 2, 16).merge_ring(itemsize) == (6, 2)
   # Full-width rows (34.8 KB per partial): 4 in one step, or 2 per step twice in flight.
   assert fd.FlashDecodeConfig(128, 4, 2, 128).merge_ring(itemsize) == (4, 1)
   assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
