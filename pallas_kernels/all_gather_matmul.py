@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gemm_core
+from pallas_kernels import signals
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -328,7 +329,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           for peer in peers:
-            pl.semaphore_signal(arrived.at[me, chunk, 0], 1, device_id=peer)
+            signals.signal(plgpu.remote_ref(arrived.at[me, chunk, 0], peer), "sys")
 
       if not exchange:
         with jax.named_scope("tile"):
@@ -422,7 +423,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           group = sum((kp >= start).astype(jnp.int32) for start in group_starts[1:-1])
           for peer in peers:
-            pl.semaphore_signal(arrived.at[me, chunk, group], 1, device_id=peer)
+            signals.signal(plgpu.remote_ref(arrived.at[me, chunk, group], peer), "sys")
 
     if push_mode:
       pl.run_scoped(push, plgpu.SMEM((2, tiles.cta_m, push_cols), x.dtype),

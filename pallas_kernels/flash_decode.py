@@ -26,7 +26,7 @@ merge tile, this source device) is raised on each device once the rows have
 landed there: here at once, before the stores into the peers are issued (a
 release fence after them would wait for them), on the peers while the block
 runs its next item (or after its last), so that no item waits for a remote
-round trip before the next one starts (see `signal`). A merge tile is 64 // Gp
+round trip before the next one starts (see `signals.signal`). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
@@ -68,10 +68,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import entry
+from pallas_kernels import signals
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -194,28 +194,6 @@ class Received:
   index: int
 
 
-def signal(sem, scope: str = "gpu") -> None:
-  """Adds 1 to semaphore `sem` (this device's, or with scope "sys" a peer's
-  through `plgpu.remote_ref`) with release order at that scope, from the
-  warpgroup's first thread: the one that issued, and awaited, the TMA
-  stores the signal announces.
-
-  `pl.semaphore_signal` adds without order and then runs `fence.release.sys`
-  on every thread, which waits for the block's stores into peers still in
-  flight (~3 kcyc here) even when it announces only local ones. Awaiting a
-  TMA store to a peer (`wait_smem_to_gmem`) does not make it visible there
-  before a relaxed add: the release is needed (seen: wrong outputs)."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def add(_, ref):
-    mgpu_utils.inline_ptx(
-        f"red.release.{scope}.global.add.u32 [$0], 1;", mgpu_utils.memref_ptr(ref),
-        predicate=mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP),
-        has_side_effects=True)
-
-  add(sem)
-
-
 def padded_group(group: int) -> int:
   """Rows per (batch, KV head) group in the receive buffers: Hq / Hkv rounded
   up to 8, so that each group's rows start 8-aligned in shared memory (Mosaic
@@ -321,7 +299,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       store(recv_o, recv_lse)
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if exchange:
-        signal(ready.at[bh // per_tile, me])
+        signals.signal(ready.at[bh // per_tile, me])
         if remote:
           pl.when(item >= grid)(lambda: publish(item - grid))
           pl.when(item < grid)(peers_in.wait)  # the block's first store into a peer
@@ -406,8 +384,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       """Raises phase-1 item `item`'s merge-tile semaphore on every peer; its
       stores there have landed."""
       for dev in peers:
-        signal(plgpu.remote_ref(ready.at[item // splits // per_tile, me], {axis_name: dev}),
-               "sys")
+        signals.signal(plgpu.remote_ref(ready.at[item // splits // per_tile, me], {axis_name: dev}),
+                       "sys")
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged

@@ -513,7 +513,8 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gather
   """The exchange (remote TMA stores, semaphores, per-chunk waits) lowers
   for CUDA, with both send designs, at D = 1, 2 and 4, with and without the
   own rows of the gathered x (the interpreter cannot run it); the gathered x
-  comes back only when asked for."""
+  comes back only when asked for; with peers, each chunk is announced by a
+  release-ordered add (`signals.signal`)."""
   m, k, n = shape
   mesh = jax.make_mesh((d,), ("x",))
   config = dataclasses.replace(
@@ -533,4 +534,6 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gather
                                                  sharding=jax.NamedSharding(mesh, spec))
   exported = jax.export.export(f, platforms=["cuda"])(
       sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x")))
-  assert "mosaic_gpu" in exported.mlir_module()
+  module = exported.mlir_module()
+  assert "mosaic_gpu" in module
+  assert ("red.release.sys" in module) == (d > 1)

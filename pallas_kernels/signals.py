@@ -1,0 +1,44 @@
+"""Semaphore signals that announce completed TMA stores, with release order.
+
+`pl.semaphore_signal` adds to the semaphore without ordering and then runs
+`fence.release.sys` on every thread of the warpgroup. That fence waits for
+all of the block's memory traffic still in flight, the stores into peers
+included: a signal that announces only local stores, issued while stores
+into a peer are in flight, waited for them (~3 kcyc in the decode kernel,
+benchmarks/NOTES.md, decode v11). And the add itself is not ordered after
+the stores it announces: awaiting a TMA store into a peer
+(`plgpu.wait_smem_to_gmem`) does not make it visible there before a relaxed
+add (the decode kernel read partials that had not landed).
+
+`signal` is one `red.release` from the thread that issued and awaited the
+stores: ordered after them at the given scope, and nothing waits after it.
+"""
+
+from typing import Literal
+
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def signal(sem, scope: Literal["gpu", "sys"] = "gpu") -> None:
+  """Adds 1 to semaphore `sem` with release order at `scope`.
+
+  Args:
+    sem: one semaphore (a `pl.get_global` semaphore array indexed down to one
+      element): this device's with scope "gpu", or a peer's through
+      `plgpu.remote_ref` with scope "sys".
+    scope: "gpu" for this device's semaphore, "sys" for a peer's.
+
+  Issued by the warpgroup's first thread, the one that issues Pallas Mosaic
+  GPU's TMA copies; call it after `plgpu.wait_smem_to_gmem(...,
+  wait_read_only=False)` has awaited the stores it announces.
+  """
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def add(_, ref):
+    mgpu_utils.inline_ptx(
+        f"red.release.{scope}.global.add.u32 [$0], 1;", mgpu_utils.memref_ptr(ref),
+        predicate=mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP),
+        has_side_effects=True)
+
+  add(sem)
