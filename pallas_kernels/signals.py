@@ -8,7 +8,8 @@ into a peer are in flight, waited for them (~3 kcyc in the decode kernel,
 benchmarks/NOTES.md, decode v11). And the add itself is not ordered after
 the stores it announces: awaiting a TMA store into a peer
 (`plgpu.wait_smem_to_gmem`) does not make it visible there before a relaxed
-add (the decode kernel read partials that had not landed).
+add (with relaxed adds and no fence, the decode kernel merged partials that
+had not landed).
 
 `signal` is one `red.release` from the thread that issued and awaited the
 stores: ordered after them at the given scope, and nothing waits after it.
