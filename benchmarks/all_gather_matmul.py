@@ -18,6 +18,8 @@ Cases:
             [D * M_shard, K] @ [K, N_shard] per device.
             pallas_core: our kernel with the exchange removed, on the same
             already-gathered x, with the config the fused run uses (Hopper).
+            all_gather_alone: lax.all_gather of x, no matmul: T_comm of the
+            overlap efficiency the report gives (FLUX's definition).
 """
 
 import dataclasses
@@ -32,6 +34,7 @@ import jax_overlap
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import platform
 from benchmarks import cases
+from benchmarks import harness
 from benchmarks import jax_collective_matmul
 from benchmarks import runner
 from benchmarks import shapes
@@ -83,6 +86,12 @@ def _pregathered(mesh, inputs: cases.Operands) -> jax.Array:
   return spmd.reshard(lambda x: jnp.tile(x, (mesh.size, 1)), mesh, X_SPEC)(inputs.x)
 
 
+def _all_gather_alone(mesh, inputs: cases.Operands) -> runner.Built:
+  """The gather alone: every device's [D * M_shard, K] copy of x."""
+  gather = lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)
+  return runner.Built(spmd.per_shard(gather, mesh, (X_SPEC,), X_SPEC), (inputs.x,))
+
+
 def _gemm_alone(mesh, inputs: cases.Operands) -> runner.Built:
   return runner.Built(spmd.per_shard(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC),
                       (_pregathered(mesh, inputs), inputs.w))
@@ -122,6 +131,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
       runner.Case("gemm_alone", "floor", lambda: _gemm_alone(mesh, inputs)),
       runner.Case("pallas_core", "floor", lambda: pallas_core(shape, mesh, inputs)),
+      runner.Case("all_gather_alone", "floor", lambda: _all_gather_alone(mesh, inputs),
+                  checked=False, floor=lambda f: harness.Floor(0, 0, f.nvlink_bytes)),
   ]
 
 
@@ -139,11 +150,12 @@ OP = runner.OpSpec(
     throughput_unit="TFLOP/s",
     speedup_base="user_bsp",
     compute_floor="gemm_alone",
+    comm_alone="all_gather_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours (as `auto` runs it, and both send designs), the baselines that come
-    # within a few percent of it, and the two GEMM floors.
+    # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_push", "user_bsp",
-                jax_collective_matmul.NAME, "gemm_alone", "pallas_core"),
+                jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )
 
 if __name__ == "__main__":

@@ -40,8 +40,23 @@ def _by_figure(num, den) -> dict:
           for figure in ("cupti", "dispatch", "side")}
 
 
+def overlap(record, compute, comm) -> dict:
+  """{figure: (T_compute + T_comm - T) / T_comm}: the share of the
+  communication's own time that `record` hides behind the compute, as FLUX
+  defines overlap efficiency (1: fully hidden, 0: no better than one after the
+  other), from the times of the compute alone and the communication alone;
+  None where a time is missing."""
+  result = {}
+  for figure in ("cupti", "dispatch", "side"):
+    t, t_compute, t_comm = (_time(r, figure) for r in (record, compute, comm))
+    known = None not in (t, t_compute, t_comm) and t_comm > 0
+    result[figure] = (t_compute + t_comm - t) / t_comm if known else None
+  return result
+
+
 def _comparisons(op, records) -> dict:
-  """(impl, shape) -> {"speedup_vs_<base>": ..., "ratio_to_<floor>": ...}."""
+  """(impl, shape) -> {"speedup_vs_<base>": ..., "ratio_to_<floor>": ...,
+  and with `op.comm_alone` "overlap": `overlap`}."""
   by_key = {(r.impl, r.shape): r for r in records if r.status == "ok"}
   result = {}
   for r in records:
@@ -51,7 +66,26 @@ def _comparisons(op, records) -> dict:
         f"speedup_vs_{op.speedup_base}": _by_figure(base, r),
         f"ratio_to_{op.compute_floor}": _by_figure(r, floor_case),
     }
+    if op.comm_alone:
+      result[(r.impl, r.shape)]["overlap"] = overlap(
+          r, floor_case, by_key.get((op.comm_alone, r.shape)))
   return result
+
+
+def _overlap_lines(op, records, comparisons) -> list[str]:
+  """Per shape, the overlap efficiency of ours and the baselines (c/d/s)."""
+  if not op.comm_alone:
+    return []
+  lines = []
+  for r in records:
+    if r.status == "ok" and r.role in ("ours", "baseline"):
+      figures = comparisons[(r.impl, r.shape)]["overlap"]
+      if figures["cupti"] is not None or figures["dispatch"] is not None:
+        lines.append(f"  {r.shape:<28} {r.impl:<24} {_ratios(figures)}")
+  if not lines:
+    return []
+  return [f"Overlap efficiency (FLUX): ({op.compute_floor} + {op.comm_alone} - T) /"
+          f" {op.comm_alone}, c/d/s:", *lines]
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -201,6 +235,10 @@ def emit(op, mesh, iterations: int, records: Sequence, out_dir: pathlib.Path,
     print("No CUPTI here (not a GPU): only dispatch figures; GPU-only cases are skipped.")
   print()
   print("\n".join(_table(op, records, comparisons)))
+  overlaps = _overlap_lines(op, records, comparisons)
+  if overlaps:
+    print()
+    print("\n".join(overlaps))
   kernels = _kernel_lines(records)
   if kernels:
     print("\nKernels of one call:")

@@ -71,14 +71,17 @@ class Case:
   """One thing to time for one shape.
 
   role: "ours" (jax_overlap), "baseline" (what a user would run instead) or
-    "floor" (the compute alone, not the op).
+    "floor" (the compute or the communication alone, not the op).
   build: returns the `Built` case; raises `Skip` if it cannot run here.
   checked: whether its output is the op's output, to compare with the reference.
+  floor: the case's own floor from the op's, for a case that does only part
+    of the op's work (e.g. its communication alone); None: the op's.
   """
   name: str
   role: str
   build: Callable[[], Built]
   checked: bool = True
+  floor: Callable[[harness.Floor], harness.Floor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +102,11 @@ class OpSpec:
   same sharding as every checked case's output); cases(shape, ctx) -> Cases;
   throughput(shape, d, us) -> the rate in `throughput_unit`. The floor comes
   from the shape's costs (`harness.Floor.of`) at `dtype`. `speedup_base` and
-  `compute_floor` name the cases the table divides by. `isolated` maps case
-  names to the XLA flags they need in their own process. `contenders` names
+  `compute_floor` name the cases the table divides by. `comm_alone`, if set,
+  names the case that runs the op's communication alone: the report then
+  gives each record's overlap efficiency as FLUX defines it (`report.overlap`).
+  `isolated` maps case names to the XLA flags they need in their own process.
+  `contenders` names
   the cases that are re-timed side by side after each shape's cases, in
   `harness.HEAD_TO_HEAD_ROUNDS` interleaved rounds of CUPTI (GPU only; not
   isolated cases): the comparison that holds where two cases are closer than
@@ -119,6 +125,7 @@ class OpSpec:
   throughput_unit: str
   speedup_base: str
   compute_floor: str
+  comm_alone: str | None = None
   isolated: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   contenders: tuple[str, ...] = ()
 
@@ -192,6 +199,8 @@ def _check_names(cases: list[Case]) -> None:
 def _run_case(case: Case, shape, op: OpSpec, d: int, floor: harness.Floor,
               reference, iterations: int) -> tuple[Record, Built | None]:
   """The case's record, and the built case if it ran (else None)."""
+  if case.floor is not None:
+    floor = case.floor(floor)
   base = dict(impl=case.name, role=case.role, shape=str(shape), floor=floor)
   try:
     built = case.build()

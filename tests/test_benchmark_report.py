@@ -1,11 +1,13 @@
-"""The benchmarks' side-by-side re-timing of an op's contenders, and how the
-report shows it (the timing runs on GPUs; here `harness.cupti_us` is
-scripted)."""
+"""The benchmarks' side-by-side re-timing of an op's contenders, how the
+report shows it, the overlap efficiency it derives, and cases judged by their
+own floor (the timing runs on GPUs; here `harness.cupti_us` is scripted)."""
 
 import dataclasses
 import json
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import harness
@@ -88,7 +90,7 @@ def test_a_median_under_the_floor_is_flagged(scripted_cupti):
 
 
 def test_ratios_and_table_use_the_side_by_side_medians():
-  op = types.SimpleNamespace(speedup_base="base", compute_floor="floor",
+  op = types.SimpleNamespace(speedup_base="base", compute_floor="floor", comm_alone=None,
                              throughput_unit="TFLOP/s")
   ours = dataclasses.replace(_record("ours", 10.0, 20.0), interleaved_us=(9.0, 8.0, 12.0))
   base = dataclasses.replace(_record("base", 12.0, 30.0), interleaved_us=(16.0, 15.0, 17.0))
@@ -112,3 +114,41 @@ def test_a_record_with_rounds_reads_back_from_its_json():
   assert runner.Record.from_dict(json.loads(text)) == record
   older = {k: v for k, v in json.loads(text).items() if k != "interleaved_us"}
   assert runner.Record.from_dict(older).interleaved_us == ()
+
+
+def test_overlap_efficiency_is_fluxs_and_missing_times_give_none():
+  """(T_compute + T_comm - T) / T_comm per figure: 1 when the fused op takes
+  the compute's time, 0 when it takes both one after the other."""
+  op = types.SimpleNamespace(speedup_base="base", compute_floor="gemm", comm_alone="gather",
+                             throughput_unit="TFLOP/s")
+  fused = dataclasses.replace(_record("fused", 100.0, 150.0), interleaved_us=(95.0, 96.0, 97.0))
+  serial = _record("base", 140.0, 190.0)
+  gemm = dataclasses.replace(_record("gemm", 80.0, 100.0), interleaved_us=(80.0, 80.0, 80.0))
+  gather = dataclasses.replace(_record("gather", 60.0, 90.0), interleaved_us=(40.0, 40.0, 40.0))
+  cmp = report._comparisons(op, [fused, serial, gemm, gather])  # pylint: disable=protected-access
+  assert cmp[("fused", "s1")]["overlap"] == pytest.approx(
+      {"cupti": 40.0 / 60.0, "dispatch": 40.0 / 90.0, "side": 24.0 / 40.0})
+  assert cmp[("base", "s1")]["overlap"] == pytest.approx(
+      {"cupti": 0.0, "dispatch": 0.0, "side": None})
+  alone = report._comparisons(op, [fused, gemm])  # pylint: disable=protected-access
+  assert alone[("fused", "s1")]["overlap"] == {"cupti": None, "dispatch": None, "side": None}
+  lines = report._overlap_lines(op, [fused, serial, gemm, gather], cmp)  # pylint: disable=protected-access
+  assert lines[0].startswith("Overlap efficiency (FLUX): (gemm + gather - T) / gather")
+  assert any("fused" in line and "0.67/0.44/0.60" in line for line in lines)
+  assert not report._overlap_lines(  # pylint: disable=protected-access
+      types.SimpleNamespace(comm_alone=None), [fused], cmp)
+
+
+def test_a_case_that_does_part_of_the_op_is_judged_by_its_own_floor():
+  """A 1 s op floor flags any real time as a harness bug; the case's own
+  floor (here the NVLink bytes alone: none) replaces it."""
+  op = types.SimpleNamespace(throughput=lambda shape, d, us: 1.0)
+  one_second = harness.Floor(flops=int(harness.PEAK_FLOPS), hbm_bytes=0, nvlink_bytes=0)
+  build = lambda: runner.Built(jax.jit(lambda x: x + 1), (jnp.ones(4),))
+  own = lambda f: harness.Floor(0, 0, f.nvlink_bytes)
+  judged = {}
+  for name, floor in (("op", None), ("own", own)):
+    case = runner.Case(name, "floor", build, checked=False, floor=floor)
+    judged[name], _ = runner._run_case(case, "s1", op, 1, one_second, None, iterations=2)  # pylint: disable=protected-access
+  assert "HARNESS BUG? dispatch<floor" in judged["op"].warnings
+  assert judged["own"].floor == harness.Floor(0, 0, 0) and not judged["own"].warnings
