@@ -50,7 +50,8 @@ while the others attend, and a block waits for it before its first store
 into a peer, so no device writes into a peer before that peer has entered.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler: attend,
-deliver (inside attend), merge, wait_partials (inside merge).
+deliver (inside attend), publish (a block's last peer signals), merge, and
+inside merge wait_partials, fold (one source's partials) and store_out.
 
 Exchange seam: with `Received`, the peers' partials are an input; each item
 copies its peers' rows from it into the receive buffers where the peers would

@@ -30,9 +30,10 @@ def signal(sem, scope: Literal["gpu", "sys"] = "gpu") -> None:
       `plgpu.remote_ref` with scope "sys".
     scope: "gpu" for this device's semaphore, "sys" for a peer's.
 
-  Issued by the warpgroup's first thread, the one that issues Pallas Mosaic
-  GPU's TMA copies; call it after `plgpu.wait_smem_to_gmem(...,
-  wait_read_only=False)` has awaited the stores it announces.
+  Issued by one thread: the elected lane of the warpgroup's first warp, as
+  Pallas Mosaic GPU picks the thread that issues its TMA copies. Call it
+  after `plgpu.wait_smem_to_gmem(..., wait_read_only=False)` has awaited the
+  stores it announces.
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
