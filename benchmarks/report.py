@@ -54,9 +54,12 @@ def overlap(record, compute, comm) -> dict:
   return result
 
 
+_OVERLAPPING = ("ours", "baseline")  # roles that run the whole op: the overlap is theirs
+
+
 def _comparisons(op, records) -> dict:
   """(impl, shape) -> {"speedup_vs_<base>": ..., "ratio_to_<floor>": ...,
-  and with `op.comm_alone` "overlap": `overlap`}."""
+  and for ours and the baselines, with `op.comm_alone`, "overlap": `overlap`}."""
   by_key = {(r.impl, r.shape): r for r in records if r.status == "ok"}
   result = {}
   for r in records:
@@ -66,7 +69,7 @@ def _comparisons(op, records) -> dict:
         f"speedup_vs_{op.speedup_base}": _by_figure(base, r),
         f"ratio_to_{op.compute_floor}": _by_figure(r, floor_case),
     }
-    if op.comm_alone:
+    if op.comm_alone and r.role in _OVERLAPPING:
       result[(r.impl, r.shape)]["overlap"] = overlap(
           r, floor_case, by_key.get((op.comm_alone, r.shape)))
   return result
@@ -78,7 +81,7 @@ def _overlap_lines(op, records, comparisons) -> list[str]:
     return []
   lines = []
   for r in records:
-    if r.status == "ok" and r.role in ("ours", "baseline"):
+    if r.status == "ok" and r.role in _OVERLAPPING:
       figures = comparisons[(r.impl, r.shape)]["overlap"]
       if figures["cupti"] is not None or figures["dispatch"] is not None:
         lines.append(f"  {r.shape:<28} {r.impl:<24} {_ratios(figures)}")

@@ -104,13 +104,13 @@ class OpSpec:
   from the shape's costs (`harness.Floor.of`) at `dtype`. `speedup_base` and
   `compute_floor` name the cases the table divides by. `comm_alone`, if set,
   names the case that runs the op's communication alone: the report then
-  gives each record's overlap efficiency as FLUX defines it (`report.overlap`).
+  gives the overlap efficiency of ours and the baselines as FLUX defines it
+  (`report.overlap`).
   `isolated` maps case names to the XLA flags they need in their own process.
-  `contenders` names
-  the cases that are re-timed side by side after each shape's cases, in
-  `harness.HEAD_TO_HEAD_ROUNDS` interleaved rounds of CUPTI (GPU only; not
-  isolated cases): the comparison that holds where two cases are closer than
-  one case's run-to-run spread.
+  `contenders` names the cases that are re-timed side by side after each
+  shape's cases, in `harness.HEAD_TO_HEAD_ROUNDS` interleaved rounds of CUPTI
+  (GPU only; not isolated cases): the comparison that holds where two cases
+  are closer than one case's run-to-run spread.
   """
   name: str
   module: str

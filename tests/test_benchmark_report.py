@@ -123,18 +123,22 @@ def test_overlap_efficiency_is_fluxs_and_missing_times_give_none():
                              throughput_unit="TFLOP/s")
   fused = dataclasses.replace(_record("fused", 100.0, 150.0), interleaved_us=(95.0, 96.0, 97.0))
   serial = _record("base", 140.0, 190.0)
-  gemm = dataclasses.replace(_record("gemm", 80.0, 100.0), interleaved_us=(80.0, 80.0, 80.0))
-  gather = dataclasses.replace(_record("gather", 60.0, 90.0), interleaved_us=(40.0, 40.0, 40.0))
+  gemm = dataclasses.replace(_record("gemm", 80.0, 100.0), role="floor",
+                             interleaved_us=(80.0, 80.0, 80.0))
+  gather = dataclasses.replace(_record("gather", 60.0, 90.0), role="floor",
+                               interleaved_us=(40.0, 40.0, 40.0))
   cmp = report._comparisons(op, [fused, serial, gemm, gather])  # pylint: disable=protected-access
   assert cmp[("fused", "s1")]["overlap"] == pytest.approx(
       {"cupti": 40.0 / 60.0, "dispatch": 40.0 / 90.0, "side": 24.0 / 40.0})
   assert cmp[("base", "s1")]["overlap"] == pytest.approx(
       {"cupti": 0.0, "dispatch": 0.0, "side": None})
+  assert "overlap" not in cmp[("gemm", "s1")] and "overlap" not in cmp[("gather", "s1")]
   alone = report._comparisons(op, [fused, gemm])  # pylint: disable=protected-access
   assert alone[("fused", "s1")]["overlap"] == {"cupti": None, "dispatch": None, "side": None}
   lines = report._overlap_lines(op, [fused, serial, gemm, gather], cmp)  # pylint: disable=protected-access
   assert lines[0].startswith("Overlap efficiency (FLUX): (gemm + gather - T) / gather")
   assert any("fused" in line and "0.67/0.44/0.60" in line for line in lines)
+  assert len(lines) == 3 and not any("gemm " in line or "gather " in line for line in lines[1:])
   assert not report._overlap_lines(  # pylint: disable=protected-access
       types.SimpleNamespace(comm_alone=None), [fused], cmp)
 
