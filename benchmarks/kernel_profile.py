@@ -9,7 +9,8 @@ with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
 back to back after a warm-up, and prints, per kernel trace, the span of each
 named scope the kernels mark (pallas_kernels docstrings list them): how many,
 their duration (median, p90, max), their sum per warpgroup, and when they
-start and end relative to the kernel's first event.
+start and end relative to the kernel's first event; with --timelines=N, also
+the scopes of N blocks in order (which item of a block stalls, and when).
 
 Units: the profiler stamps events with the SM clock, so every figure is in
 thousands of SM cycles (kcyc); compare the fused kernel with its
@@ -52,6 +53,9 @@ _SHAPE = flags.DEFINE_string("shape", "1024,4096,4096",
 _CALLS = flags.DEFINE_integer("calls", 8, "Calls back to back after the warm-up.")
 _KEEP = flags.DEFINE_integer("keep", 3, "Traces kept and summarized per kernel (the last ones).")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where traces go.")
+_TIMELINES = flags.DEFINE_integer(
+    "timelines", 0, "Also print the scopes of this many blocks per trace, in order (half"
+    " from the first blocks, half from the last).")
 # Events per warpgroup: enough for a few scopes per tile or item of a block.
 PROFILE_SPACE = 48
 
@@ -95,20 +99,38 @@ class ScopeStats:
   last_end: float
 
 
-def summarize(trace: dict) -> tuple[float, list[ScopeStats]]:
-  """(kernel span, per-scope stats) of one Perfetto trace that the profiler
-  wrote: "B"/"E" events per thread (warpgroup), nested by thread."""
+def _spans(trace: dict) -> tuple[float, dict[str, list[tuple[tuple[int, int], float, float]]]]:
+  """(kernel span, {scope name: [((block, thread), start, end)]}) of one
+  Perfetto trace that the profiler wrote: "B"/"E" events per block ("pid")
+  and warpgroup ("tid"), nested within each; times from the first event."""
   events = trace["traceEvents"]
   t0 = min(e["ts"] for e in events)
-  span = max(e["ts"] for e in events) - t0
   open_spans = collections.defaultdict(list)
-  spans = collections.defaultdict(list)  # name -> [(thread, start, end)]
+  spans = collections.defaultdict(list)
   for e in events:
+    thread = (e["pid"], e["tid"])
     if e["ph"] == "B":
-      open_spans[e["tid"]].append(e)
+      open_spans[thread].append(e)
     else:
-      begin = open_spans[e["tid"]].pop()
-      spans[begin["name"]].append((e["tid"], begin["ts"] - t0, e["ts"] - t0))
+      begin = open_spans[thread].pop()
+      spans[begin["name"]].append((thread, begin["ts"] - t0, e["ts"] - t0))
+  return max(e["ts"] for e in events) - t0, spans
+
+
+def timelines(trace: dict) -> dict[tuple[int, int], list[tuple[float, str, float]]]:
+  """{(block, thread): [(start, scope name, duration)] in start order}: what
+  each warpgroup of one trace did, e.g. to see which item of a block stalls."""
+  per_thread = collections.defaultdict(list)
+  for name, items in _spans(trace)[1].items():
+    for thread, start, end in items:
+      per_thread[thread].append((start, name, end - start))
+  return {thread: sorted(items) for thread, items in sorted(per_thread.items())}
+
+
+def summarize(trace: dict) -> tuple[float, list[ScopeStats]]:
+  """(kernel span, per-scope stats) of one Perfetto trace that the profiler
+  wrote (see `_spans`)."""
+  span, spans = _spans(trace)
   stats = []
   for name, items in sorted(spans.items()):
     durations = sorted(end - start for _, start, end in items)
@@ -165,12 +187,20 @@ def main(argv):
     traces = traces[-_KEEP.value:]
     print(f"== {_OP.value} {dims} {label}: {len(traces)} traces in {trace_dir}")
     for path in traces:
-      span, stats = summarize(json.loads(path.read_text()))
+      trace = json.loads(path.read_text())
+      span, stats = summarize(trace)
       print(f"  {path.name}: kernel {span:.1f} kcyc")
       for s in stats:
         print(f"    {s.name:14s} n={s.count:4d}  dur med {s.median:6.2f} p90 {s.p90:6.2f}"
               f" max {s.longest:6.2f}  sum/wg {s.per_thread:6.2f}  start first {s.first_start:6.1f}"
               f" med {s.median_start:6.1f}  end last {s.last_end:6.1f}")
+      shown = list(timelines(trace).items())
+      if 0 < _TIMELINES.value < len(shown):
+        half = _TIMELINES.value // 2
+        shown = shown[:_TIMELINES.value - half] + shown[len(shown) - half:]
+      for (block, thread), items in shown[:_TIMELINES.value]:
+        print(f"    block {block} thread {thread}: " + ", ".join(
+            f"{name} {start:.1f}+{duration:.2f}" for start, name, duration in items))
 
 
 if __name__ == "__main__":

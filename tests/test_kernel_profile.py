@@ -7,8 +7,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from benchmarks import kernel_profile
 
 
-def _event(ph, name, tid, ts):
-  return {"ph": ph, "name": name, "tid": tid, "pid": 1, "ts": ts}
+def _event(ph, name, tid, ts, pid=1):
+  return {"ph": ph, "name": name, "tid": tid, "pid": pid, "ts": ts}
 
 
 def test_summary_of_nested_spans_on_two_warpgroups():
@@ -24,6 +24,23 @@ def test_summary_of_nested_spans_on_two_warpgroups():
   assert (tile.per_thread, tile.first_start, tile.median_start, tile.last_end) == (7.0, 0.0, 1.0, 10.0)
   assert (wait.name, wait.count, wait.median, wait.first_start, wait.last_end) == (
       "wait", 1, 2.0, 1.0, 3.0)
+
+
+def test_timelines_keep_blocks_with_the_same_thread_id_apart():
+  # Two blocks' warpgroups both numbered 0, their spans interleaved in time.
+  trace = {"traceEvents": [
+      _event("B", "attend", 0, 10.0, pid=1), _event("B", "attend", 0, 11.0, pid=2),
+      _event("B", "deliver", 0, 15.0, pid=1), _event("E", "attend", 0, 16.0, pid=2),
+      _event("E", "deliver", 0, 17.0, pid=1), _event("E", "attend", 0, 18.0, pid=1),
+      _event("B", "merge", 0, 19.0, pid=2), _event("E", "merge", 0, 25.0, pid=2),
+  ]}
+  assert kernel_profile.timelines(trace) == {
+      (1, 0): [(0.0, "attend", 8.0), (5.0, "deliver", 2.0)],
+      (2, 0): [(1.0, "attend", 5.0), (9.0, "merge", 6.0)],
+  }
+  span, stats = kernel_profile.summarize(trace)
+  attend = next(s for s in stats if s.name == "attend")
+  assert (span, attend.count, attend.per_thread, attend.longest) == (15.0, 2, 6.5, 8.0)
 
 
 def test_profiling_restores_what_it_patches_even_on_error(tmp_path):
