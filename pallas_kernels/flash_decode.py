@@ -24,10 +24,9 @@ buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at r
 (b * Hkv + h) * Gp of slot me * splits + split, and the semaphore of (its
 merge tile, this source device) is raised on each device once the rows have
 landed there: here at once, before the stores into the peers are issued (a
-release fence after them would wait for them); on the peers after the block's
-last item, for all its items behind one system-scope release fence, so that
-no item waits for a remote round trip or a fence before the next one starts
-(see `signals`). A merge tile is 64 // Gp
+release fence after them would wait for them), on the peers while the block
+runs its next item (or after its last), so that no item waits for a remote
+round trip before the next one starts (see `signals.signal`). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
@@ -51,7 +50,7 @@ while the others attend, and a block waits for it before its first store
 into a peer, so no device writes into a peer before that peer has entered.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler: attend,
-deliver (inside attend), publish (a block's peer signals), merge, and
+deliver (inside attend), publish (a block's last peer signals), merge, and
 inside merge wait_partials, fold (one source's partials) and store_out.
 
 Exchange seam: with `Received`, the peers' partials are an input; each item
@@ -285,11 +284,13 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     def deliver(o_smem, lse_smem, window, bh, slot, item):
       """Stores group bh's rows, from row `window` of the staging tiles, into
       this device's receive buffers and raises the merge tile's semaphore for
-      this source here once they have landed; then stores this item's rows
-      into the peers, whose semaphores `publish` raises after the block's
-      last item: no item waits for a remote round trip before the next one
-      starts, and the local signal does not wait for the remote stores. The
-      seam: after the own rows, the peers' rows from `received`."""
+      this source here once they have landed; then raises the peers'
+      semaphores for the block's previous item (its stores there have long
+      landed) and stores this item's rows into the peers, whose semaphores
+      `publish` raises at the block's next item or after its last: no item
+      waits for a remote round trip before the next one starts, and the
+      local signal does not wait for the remote stores. The seam: after the
+      own rows, the peers' rows from `received`."""
       src, dst = pl.ds(window, group), pl.ds(bh * group, group)
 
       def store(o_to, lse_to):
@@ -301,6 +302,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       if exchange:
         signals.signal(ready.at[bh // per_tile, me])
         if remote:
+          pl.when(item >= grid)(lambda: publish(item - grid))
           pl.when(item < grid)(peers_in.wait)  # the block's first store into a peer
           for dev in peers:
             store(plgpu.remote_ref(recv_o, {axis_name: dev}),
@@ -379,19 +381,12 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       plgpu.commit_smem()
       deliver(o_smem, lse_smem, window, bh, me * splits + split, item)
 
-    def publish():
-      """After the block's last item: awaits its stores into the peers, then
-      raises each of its items' merge-tile semaphores on every peer, all
-      behind one release fence (one per item cost ~1 µs more at b32_hq32,
-      whose blocks have two items)."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      signals.release("sys")
-
-      @pl.loop(sm, items, step=grid)
-      def _(item):
-        for dev in peers:
-          signals.add(plgpu.remote_ref(ready.at[item // splits // per_tile, me], {axis_name: dev}),
-                      "sys")
+    def publish(item):
+      """Raises phase-1 item `item`'s merge-tile semaphore on every peer; its
+      stores there have landed."""
+      for dev in peers:
+        signals.signal(plgpu.remote_ref(ready.at[item // splits // per_tile, me], {axis_name: dev}),
+                       "sys")
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged
@@ -490,7 +485,11 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem)
 
       if remote:
-        pl.when(sm < items)(jax.named_scope("publish")(publish))
+        @pl.when(sm < items)
+        @jax.named_scope("publish")
+        def _():  # the block's last item
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          publish(sm + (items - 1 - sm) // grid * grid)
 
     pl.run_scoped(phase1,
                   plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),

@@ -13,10 +13,6 @@ had not landed).
 
 `signal` is one `red.release` from the thread that issued and awaited the
 stores: ordered after them at the given scope, and nothing waits after it.
-Each release at system scope costs ~1 µs however little is in flight (decode
-v13, benchmarks/NOTES.md): to raise several semaphores at once, `release`
-once and `add` each (a release pattern of the PTX memory model: a release
-fence, then strong relaxed writes from the same thread).
 """
 
 from typing import Literal
@@ -25,10 +21,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-Scope = Literal["gpu", "sys"]
-
-
-def signal(sem, scope: Scope = "gpu") -> None:
+def signal(sem, scope: Literal["gpu", "sys"] = "gpu") -> None:
   """Adds 1 to semaphore `sem` with release order at `scope`.
 
   Args:
@@ -42,33 +35,12 @@ def signal(sem, scope: Scope = "gpu") -> None:
   after `plgpu.wait_smem_to_gmem(..., wait_read_only=False)` has awaited the
   stores it announces.
   """
-  _one_thread(f"red.release.{scope}.global.add.u32 [$0], 1;", sem)
 
-
-def release(scope: Scope) -> None:
-  """A release fence at `scope` from the thread that `signal` uses: the
-  stores it has awaited are ordered before its later `add`s. Call it after
-  `plgpu.wait_smem_to_gmem(..., wait_read_only=False)`."""
-  _one_thread(f"fence.release.{scope};")
-
-
-def add(sem, scope: Scope) -> None:
-  """Adds 1 to semaphore `sem` (as in `signal`) without an order of its own:
-  it announces only what preceded the last `release` of this thread."""
-  _one_thread(f"red.relaxed.{scope}.global.add.u32 [$0], 1;", sem)
-
-
-def _one_thread(ptx: str, sem=None) -> None:
-  """Inline PTX on the elected thread; $0 is `sem`'s address, if given."""
-
-  def emit(*ptrs):
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def add(_, ref):
     mgpu_utils.inline_ptx(
-        ptx, *ptrs,
+        f"red.release.{scope}.global.add.u32 [$0], 1;", mgpu_utils.memref_ptr(ref),
         predicate=mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP),
         has_side_effects=True)
 
-  if sem is None:
-    plgpu.inline_mgpu()(lambda _: emit())()
-  else:
-    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(
-        lambda _, ref: emit(mgpu_utils.memref_ptr(ref)))(sem)
+  add(sem)
