@@ -166,7 +166,8 @@ class Record:
     return cls(**d)
 
 
-def _parse_shapes(op: OpSpec, on_gpu: bool) -> tuple:
+def parse_shapes(op: OpSpec, on_gpu: bool) -> tuple:
+  """The shapes --shapes names for `op` (its GPU or CPU set when it names none)."""
   text = _SHAPES.value.strip()
   if text in ("", "gpu", "cpu"):
     use_gpu = on_gpu if not text else text == "gpu"
@@ -295,7 +296,7 @@ def _main(op: OpSpec) -> None:
   mesh = spmd.mesh()
   d = mesh.size
   on_gpu = harness.cupti_available()
-  shapes = _parse_shapes(op, on_gpu)
+  shapes = parse_shapes(op, on_gpu)
   iterations = _ITERATIONS.value or (50 if on_gpu else 10)
   records = []
   for index, shape in enumerate(shapes):
