@@ -5,6 +5,7 @@ Per-shard ops (call inside `jax.shard_map`, like `lax` collectives):
 Global-view wrappers (apply shard_map themselves):
   sharded_all_gather_matmul, sharded_matmul_reduce_scatter, sharded_flash_decode.
 Which implementation runs: `explain_*` (see `jax_overlap.dispatch`).
+Transformer layers built on them: `jax_overlap.transformer`.
 """
 
 from jax_overlap.all_gather_matmul import all_gather_matmul

@@ -24,7 +24,9 @@ def _explicit(mesh) -> bool:
   return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
-def _mesh_and_axes(mesh, axis_name, batch_axes: Sequence[str]):
+def resolve_mesh(mesh, axis_name, batch_axes: Sequence[str]):
+  """(mesh, batch_axes): `mesh`, else the one set by `jax.set_mesh`, checked
+  to hold axis_name and batch_axes (a tuple) and to be usable here."""
   context = jax.sharding.get_abstract_mesh()
   if mesh is None:
     mesh = context
@@ -48,7 +50,7 @@ def _mesh_and_axes(mesh, axis_name, batch_axes: Sequence[str]):
   return mesh, batch_axes
 
 
-def _shard_map(body, mesh, in_specs, out_specs, *args):
+def shard_map_args(body, mesh, in_specs, out_specs, *args):
   """shard_map that first moves explicitly-sharded inputs to `in_specs`.
 
   Under an explicit-axes mesh shard_map demands inputs already in its specs;
@@ -83,13 +85,13 @@ def sharded_all_gather_matmul(x, w, *, axis_name, mesh=None, batch_axes=(),
   Returns:
     [M, N], rows sharded over batch_axes, columns over axis_name.
   """
-  mesh, batch_axes = _mesh_and_axes(mesh, axis_name, batch_axes)
+  mesh, batch_axes = resolve_mesh(mesh, axis_name, batch_axes)
   _validate.check_rank("x", x, 2, "[M, K]")
   _validate.check_rank("w", w, 2, "[K, N]")
   _check_split("x", "the row count M", x.shape[0], mesh, (*batch_axes, axis_name))
   _check_split("w", "the column count N", w.shape[1], mesh, (axis_name,))
   body = functools.partial(all_gather_matmul, axis_name=axis_name, impl=impl, config=config)
-  return _shard_map(
+  return shard_map_args(
       body, mesh,
       (P(_spec_entry((*batch_axes, axis_name)), None), P(None, axis_name)),
       P(_spec_entry(batch_axes), axis_name),
@@ -107,14 +109,14 @@ def sharded_matmul_reduce_scatter(x, w, *, axis_name, mesh=None, batch_axes=(),
   Returns:
     [M, N], rows sharded over (*batch_axes, axis_name).
   """
-  mesh, batch_axes = _mesh_and_axes(mesh, axis_name, batch_axes)
+  mesh, batch_axes = resolve_mesh(mesh, axis_name, batch_axes)
   _validate.check_rank("x", x, 2, "[M, K]")
   _validate.check_rank("w", w, 2, "[K, N]")
   _check_split("x", "the row count M", x.shape[0], mesh, (*batch_axes, axis_name))
   _check_split("x", "the contraction size K", x.shape[1], mesh, (axis_name,))
   _check_split("w", "the contraction size K (rows)", w.shape[0], mesh, (axis_name,))
   body = functools.partial(matmul_reduce_scatter, axis_name=axis_name, impl=impl, config=config)
-  return _shard_map(
+  return shard_map_args(
       body, mesh,
       (P(_spec_entry(batch_axes), axis_name), P(axis_name, None)),
       P(_spec_entry((*batch_axes, axis_name)), None),
@@ -133,7 +135,7 @@ def sharded_flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
   Returns:
     [B, Hq, Dh], batch sharded over batch_axes.
   """
-  mesh, batch_axes = _mesh_and_axes(mesh, axis_name, batch_axes)
+  mesh, batch_axes = resolve_mesh(mesh, axis_name, batch_axes)
   _validate.check_rank("q", q, 3, "[B, Hq, Dh]")
   _validate.check_rank("k", k, 4, "[B, S, Hkv, Dh]")
   _validate.check_rank("v", v, 4, "[B, S, Hkv, Dh]")
@@ -147,7 +149,7 @@ def sharded_flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
     return flash_decode(q, k, v, axis_name=axis_name, kv_lens=kv_lens, scale=scale,
                         impl=impl, config=config)
 
-  return _shard_map(
+  return shard_map_args(
       body, mesh,
       (P(batch, None, None), kv_spec, kv_spec, None if kv_lens is None else P(batch)),
       P(batch, None, None),

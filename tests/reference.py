@@ -85,3 +85,33 @@ def assert_close(actual, expected, dtype, what: str = "output") -> None:
       f" {bound:.3g} (= {rtol(dtype):g} x scale {scale:.3g}, dtype"
       f" {np.dtype(dtype).name}); {np.sum(err > bound)} of {err.size} elements off."
   )
+
+
+def transformer(params, x, *, q_heads: int, kv_heads: int, eps: float) -> np.ndarray:
+  """jax_overlap.transformer's layers in float64, causal over whole sequences:
+  x [B, S, H] -> [B, S, H]; params as its init_params (stacked over layers)."""
+  p = {name: _f64(a) for name, a in params.items()}
+  x = _f64(x)
+  b, s, _ = x.shape
+  group = q_heads // kv_heads
+
+  def norm(a, scale):
+    return a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps) * scale
+
+  def gelu(a):  # tanh approximation, as jax.nn.gelu's default
+    return 0.5 * a * (1 + np.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+
+  for l in range(p["w_q"].shape[0]):
+    n = norm(x, p["norm_attn"][l])
+    q = (n @ p["w_q"][l]).reshape(b, s, q_heads, -1)
+    k = (n @ p["w_k"][l]).reshape(b, s, kv_heads, -1)
+    v = (n @ p["w_v"][l]).reshape(b, s, kv_heads, -1)
+    out = np.empty_like(q)
+    for h in range(q_heads):
+      scores = np.einsum("bqd,bkd->bqk", q[:, :, h], k[:, :, h // group]) / math.sqrt(q.shape[-1])
+      scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+      weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+      out[:, :, h] = (weights / weights.sum(axis=-1, keepdims=True)) @ v[:, :, h // group]
+    x = x + out.reshape(b, s, -1) @ p["w_o"][l]
+    x = x + gelu(norm(x, p["norm_mlp"][l]) @ p["w_up"][l]) @ p["w_down"][l]
+  return x
