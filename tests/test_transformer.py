@@ -24,12 +24,12 @@ CONFIG = transformer.TransformerConfig(hidden=64, q_heads=8, kv_heads=4, head_di
 def _setup(d, config, batch, seq, *key):
   """(mesh, params placed as param_specs, host params, x [B, S, H] host)."""
   mesh = testkit.mesh_1d(d)
-  params = transformer.init_params(jax.random.key(testkit.rng(*key).integers(2**31)), config,
-                                   LAYERS)
+  gen = testkit.rng(*key)
+  params = transformer.init_params(jax.random.key(gen.integers(2**31)), config, LAYERS)
   host = {name: np.asarray(a) for name, a in params.items()}
   specs = transformer.param_specs(AXIS)
   placed = {name: testkit.put(mesh, a, specs[name]) for name, a in host.items()}
-  x = testkit.normal(testkit.rng(*key), (batch, seq, config.hidden), config.dtype)
+  x = testkit.normal(gen, (batch, seq, config.hidden), config.dtype)
   return mesh, placed, host, x
 
 
@@ -60,8 +60,8 @@ def test_forward_in_bfloat16():
 
 @pytest.mark.parametrize("d", [2, 4])
 def test_decode_steps_reproduce_the_forward_pass(d):
-  """Token by token from an empty cache, each sequence at its own offset:
-  decode step t's output equals the forward pass's at position t. The cache
+  """Token by token from an empty cache, every sequence at position t in
+  step t: the step's output equals the forward pass's at position t. The cache
   starts filled with garbage, which the lengths must mask; its positions are
   sharded, so each step writes on one device and attends across all."""
   batch, seq = 4, 8
