@@ -43,6 +43,8 @@ PEAK_FLOPS = 813e12     # bf16 FLOP/s
 # a streaming kernel measured 4.41 TB/s here (flash decode, 2026-11-22), so
 # the measured rate is no floor.
 PEAK_HBM = 4.8e12       # bytes/s
+# Datasheet HBM peaks of the other cards the GPU machines bring (H100 SXM).
+_PEAK_HBM_BY_KIND = {"NVIDIA H100": 3.35e12}
 PEAK_NVLINK = 450e9     # bytes/s per direction per device
 
 DISPATCH_REPEATS = 3
@@ -93,6 +95,13 @@ class Timing:
   cupti_excl_barrier_us: float | None = None
 
 
+def peak_hbm() -> float:
+  """HBM bytes/s of the device present: its datasheet peak (H100 3.35e12,
+  H200 4.8e12); PEAK_HBM off GPUs and for unknown kinds."""
+  kind = jax.devices()[0].device_kind
+  return next((v for k, v in _PEAK_HBM_BY_KIND.items() if kind.startswith(k)), PEAK_HBM)
+
+
 @dataclasses.dataclass(frozen=True)
 class Floor:
   """Least time of one call on one device, per resource (microseconds)."""
@@ -112,7 +121,7 @@ class Floor:
 
   @property
   def hbm_us(self) -> float:
-    return self.hbm_bytes / PEAK_HBM * 1e6
+    return self.hbm_bytes / peak_hbm() * 1e6
 
   @property
   def nvlink_us(self) -> float:

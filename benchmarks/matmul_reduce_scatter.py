@@ -7,12 +7,16 @@ w [K_shard, N], bf16 -> rows [i * M/D, (i+1) * M/D) of the sum over devices of
 x @ w, [M / D, N].
 
 Cases:
-  ours      pallas (where `explain` picks it), xla_bsp, xla_ring (a ppermute
-            ring: it stands for the ring baseline too).
+  ours      pallas: the fused kernel, run whenever `explain(impl="pallas")`
+            accepts (Hopper), also while "auto" does not take it yet;
+            xla_bsp, xla_ring (a ppermute ring: it stands for the ring
+            baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
   floor     gemm_alone: the local dot alone, [M, K_shard] @ [K_shard, N].
+            reduce_scatter_alone: lax.psum_scatter of a bf16 [M, N] partial,
+            no matmul: T_comm of the overlap efficiency (FLUX's definition).
 """
 
 import functools
@@ -24,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from benchmarks import cases
+from benchmarks import harness
 from benchmarks import runner
 from benchmarks import shapes
 from benchmarks import spmd
@@ -54,6 +59,23 @@ def _user_bsp(x, w):
   return lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True)
 
 
+def _pallas(mesh, explain, args) -> runner.Built:
+  cases.require_hopper("our kernel")
+  try:
+    choice = explain("pallas")
+  except ValueError as e:  # the kernel cannot run this shape: say why
+    raise runner.Skip(str(e)) from e
+  return runner.Built(_ours_fn(mesh, "pallas"), args, {"explain": str(choice)})
+
+
+def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
+  """The exchange alone: each device's bf16 [M, N] partial, reduce-scattered."""
+  partials = spmd.random_normal(jax.random.key(1), (mesh.size * shape.m, shape.n), DTYPE,
+                                mesh, P(AXIS, None))
+  scatter = lambda p: lax.psum_scatter(p, AXIS, scatter_dimension=0, tiled=True)
+  return runner.Built(spmd.per_shard(scatter, mesh, (P(AXIS, None),), OUT_SPEC), (partials,))
+
+
 def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> list[runner.Case]:
   mesh, inputs = ctx.mesh, ctx.inputs
   args = (inputs.x, inputs.w)
@@ -68,10 +90,13 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
   gemm_alone = lambda: runner.Built(
       spmd.per_shard(jnp.dot, mesh, (X_SPEC, W_SPEC), P(AXIS, None)), args)
   return [
-      *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
+      runner.Case("pallas", "ours", lambda: _pallas(mesh, explain, args)),
+      *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       runner.Case("gemm_alone", "floor", gemm_alone, checked=False),
+      runner.Case("reduce_scatter_alone", "floor", lambda: _reduce_scatter_alone(shape, mesh),
+                  checked=False, floor=lambda f: harness.Floor(0, 0, f.nvlink_bytes)),
   ]
 
 
@@ -89,7 +114,10 @@ OP = runner.OpSpec(
     throughput_unit="TFLOP/s",
     speedup_base="user_bsp",
     compute_floor="gemm_alone",
+    comm_alone="reduce_scatter_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
+    # Ours, the main baseline, the GEMM floor and the exchange alone.
+    contenders=("pallas", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

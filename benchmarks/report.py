@@ -178,7 +178,7 @@ def _meta(op, mesh, iterations: int) -> dict:
       "jax_version": jax.__version__,
       "iterations": iterations,
       "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "peaks": {"flops": harness.PEAK_FLOPS, "hbm_bytes_per_s": harness.PEAK_HBM,
+      "peaks": {"flops": harness.PEAK_FLOPS, "hbm_bytes_per_s": harness.peak_hbm(),
                 "nvlink_bytes_per_s_per_direction": harness.PEAK_NVLINK},
       "pallas": pallas or "Hopper GPUs found: the Pallas kernels can run",
       "figures": (
@@ -233,7 +233,7 @@ def emit(op, mesh, iterations: int, records: Sequence, out_dir: pathlib.Path,
         f" jax {meta['jax_version']}, {iterations} calls per figure")
   print(f"Pallas kernels: {meta['pallas']}")
   print(f"Figures: {meta['figures']} Floor: max(FLOPs / {harness.PEAK_FLOPS:.3g},"
-        f" HBM bytes / {harness.PEAK_HBM:.3g}, NVLink bytes / {harness.PEAK_NVLINK:.3g}).")
+        f" HBM bytes / {harness.peak_hbm():.3g}, NVLink bytes / {harness.PEAK_NVLINK:.3g}).")
   if meta["platform"] != "gpu":
     print("No CUPTI here (not a GPU): only dispatch figures; GPU-only cases are skipped.")
   print()

@@ -95,6 +95,9 @@ MATMUL_REDUCE_SCATTER = (
     MatmulReduceScatterShape(2048, 4096, 4096),
     MatmulReduceScatterShape(8192, 4096, 7168),
     MatmulReduceScatterShape(256, 4096, 7168),
+    # Decode-size M: 64 and 128 rows in total.
+    MatmulReduceScatterShape(64, 4096, 7168),
+    MatmulReduceScatterShape(128, 4096, 7168),
 )
 
 FLASH_DECODE = (

@@ -22,6 +22,7 @@ from jax_overlap import xla_paths
 from jax_overlap.matmul_reduce_scatter import matmul_reduce_scatter
 from pallas_kernels import all_gather_matmul as kernel
 from pallas_kernels import platform
+from pallas_kernels import vma
 
 OP = "all_gather_matmul"
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -74,20 +75,6 @@ def _fused_fwd(x, w, axis_name, config, return_gathered: bool):
   return ((out, gathered) if return_gathered else out), (x, gathered, w)
 
 
-def _cotangent_like(ct, primal):
-  """`ct` summed over the axes it varies over and `primal` does not.
-
-  The cotangents vary over every axis x or w varies over (the kernel's outputs
-  are typed so); where the primal is replicated (w over a data axis), its
-  gradient is the sum of its replicas' contributions.
-  """
-  have = jax.typeof(ct).manual_axis_type.varying
-  want = jax.typeof(primal).manual_axis_type.varying
-  if extra := tuple(sorted(have - want)):
-    ct = lax.psum(ct, extra)
-  return ct
-
-
 def _fused_bwd(axis_name, config, return_gathered: bool, residuals, cotangents):
   del config
   x, gathered, w = residuals
@@ -97,7 +84,7 @@ def _fused_bwd(axis_name, config, return_gathered: bool, residuals, cotangents):
     dx = dx + lax.psum_scatter(d_gathered, axis_name, scatter_dimension=0,
                                tiled=True).astype(dx.dtype)
   dw = jnp.dot(gathered.T, d_out, preferred_element_type=jnp.float32).astype(w.dtype)
-  return _cotangent_like(dx, x), _cotangent_like(dw, w)
+  return vma.sum_to_varying_of(dx, x), vma.sum_to_varying_of(dw, w)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -2,9 +2,12 @@
 
 Every op has an ordered table of implementations. Each entry answers a
 `Problem` (the op's validated, static arguments) with `None` if it can run it
-here, or a sentence saying why not. `impl="auto"` takes the first that accepts;
-a named impl that cannot run raises instead of falling back, so a shape the
-fused kernel claims to support never silently takes a slower path.
+here, or a sentence saying why not. `impl="auto"` takes the first that accepts
+and that its auto rule (if the op has one for it) also accepts: e.g. a kernel
+not yet verified on GPUs, or measured slower than BSP at this shape, runs when
+named but is not chosen by "auto". A named impl that cannot run raises instead
+of falling back, so a shape the fused kernel claims to support never silently
+takes a slower path.
 
 `explain(...)` on any op (e.g. `jax_overlap.all_gather_matmul.explain`) returns
 the `Choice` without running anything; the same choice is logged at DEBUG level
@@ -42,6 +45,7 @@ def choose(
     problem,
     table: Mapping[str, Support],
     auto_order: Sequence[str],
+    auto_rules: Mapping[str, Support] | None = None,
 ) -> Choice:
   """Picks an implementation of `op` for `problem`.
 
@@ -51,6 +55,8 @@ def choose(
     problem: the op's validated static arguments.
     table: impl name -> support check (None if it can run `problem`).
     auto_order: the order in which "auto" tries impls.
+    auto_rules: impl name -> a further check that "auto" applies (None if
+      auto may take it for `problem`); impls without one need only `table`.
 
   Raises:
     ValueError: `requested` is unknown to `op`, or names an impl that cannot run
@@ -74,6 +80,8 @@ def choose(
     rejected = []
     for name in auto_order:
       reason = table[name](problem)
+      if reason is None and auto_rules and name in auto_rules:
+        reason = auto_rules[name](problem)
       if reason is None:
         choice = Choice(op, requested, name, tuple(rejected))
         break

@@ -8,14 +8,18 @@ sequence-parallel transformer block (row-parallel weights).
 """
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap import _validate
 from jax_overlap import dispatch
 from jax_overlap import xla_paths
+from pallas_kernels import matmul_reduce_scatter as kernel
 from pallas_kernels import platform
+from pallas_kernels import vma
 
 OP = "matmul_reduce_scatter"
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -29,14 +33,62 @@ class Problem:
   k_shard: int
   n: int
   dtype: np.dtype
+  reduce_in_float32: bool
   config: object | None
 
 
-def _pallas_support(p: Problem) -> str | None:
-  return platform.hopper_unavailable_reason() or (
-      "the fused matmul+reduce-scatter kernel is not built yet."
-  )
+def _kernel_config(p: Problem) -> kernel.MatmulReduceScatterConfig:
+  """The caller's config, else the kernel's heuristic."""
+  return p.config or kernel.default_config(
+      p.m // p.axis_size, p.k_shard, p.n, p.dtype, axis_size=p.axis_size,
+      num_sms=platform.num_sms())
 
+
+def _pallas_support(p: Problem) -> str | None:
+  if p.reduce_in_float32:
+    return ("the fused kernel adds the partial sums in x's dtype; reduce_in_float32=True"
+            " needs an XLA path.")
+  return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
+      p.m // p.axis_size, p.k_shard, p.n, p.dtype, _kernel_config(p))
+
+
+def _pallas_auto_rule(p: Problem) -> str | None:
+  del p
+  return ("experimental: the fused kernel has not passed its GPU tests at D >= 2 yet;"
+          " impl='pallas' runs it.")
+
+
+def _run_kernel(x, w, axis_name, config):
+  return kernel.matmul_reduce_scatter(x, w, axis_name=axis_name, config=config,
+                                      num_sms=platform.num_sms())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fused(x, w, axis_name, config):
+  """The fused kernel's output, differentiable.
+
+  The backward pass is the dual op: dx = all_gather(dout) @ w^T
+  (`all_gather_matmul`, which also returns the gathered dout) and
+  dw = x^T @ all_gather(dout).
+  """
+  return _run_kernel(x, w, axis_name, config)
+
+
+def _fused_fwd(x, w, axis_name, config):
+  return _run_kernel(x, w, axis_name, config), (x, w)
+
+
+def _fused_bwd(axis_name, config, residuals, d_out):
+  del config
+  # The two ops' backward passes use each other: import at call time.
+  from jax_overlap.all_gather_matmul import all_gather_matmul  # pylint: disable=g-import-not-at-top
+  x, w = residuals
+  dx, gathered = all_gather_matmul(d_out, w.T, axis_name=axis_name, return_gathered=True)
+  dw = jnp.dot(x.T, gathered, preferred_element_type=jnp.float32).astype(w.dtype)
+  return vma.sum_to_varying_of(dx, x), vma.sum_to_varying_of(dw, w)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 _TABLE = {
     "pallas": _pallas_support,
@@ -44,13 +96,14 @@ _TABLE = {
     "xla_ring": dispatch.always,
 }
 _AUTO_ORDER = ("pallas", "xla_bsp")
+_AUTO_RULES = {"pallas": _pallas_auto_rule}
 _XLA = {
     "xla_bsp": xla_paths.matmul_reduce_scatter_bsp,
     "xla_ring": xla_paths.matmul_reduce_scatter_ring,
 }
 
 
-def _bind(x, w, axis_size: int, config) -> Problem:
+def _bind(x, w, axis_size: int, reduce_in_float32: bool, config) -> Problem:
   _validate.check_rank("x", x, 2, "[M, K_shard]")
   _validate.check_rank("w", w, 2, "[K_shard, N]")
   (m, k_shard), (k_w, n) = x.shape, w.shape
@@ -65,38 +118,55 @@ def _bind(x, w, axis_size: int, config) -> Problem:
   )
   _validate.check_dtype("x", x, DTYPES, OP)
   _validate.check_same_dtype({"x": x, "w": w})
-  return Problem(axis_size, m, k_shard, n, jnp.dtype(x.dtype), config)
+  return Problem(axis_size, m, k_shard, n, jnp.dtype(x.dtype), bool(reduce_in_float32), config)
 
 
-def explain(x, w, *, axis_size: int, impl: str = "auto", config=None) -> dispatch.Choice:
+def _choose(problem: Problem, impl: str) -> dispatch.Choice:
+  return dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER, _AUTO_RULES)
+
+
+def explain(x, w, *, axis_size: int, impl: str = "auto", reduce_in_float32: bool = False,
+            config=None) -> dispatch.Choice:
   """The implementation `matmul_reduce_scatter` would use, without running it.
 
   `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
   """
-  return dispatch.choose(OP, impl, _bind(x, w, axis_size, config), _TABLE, _AUTO_ORDER)
+  return _choose(_bind(x, w, axis_size, reduce_in_float32, config), impl)
 
 
-def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto", config=None):
+def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
+                          reduce_in_float32: bool = False, config=None):
   """This device's rows of `psum_scatter(x @ w)`, per shard, inside `jax.shard_map`.
 
   Args:
     x: [M, K_shard], this device's columns of the left operand (bf16, fp16;
       fp32 on the XLA paths). M must be divisible by the axis size D.
     w: [K_shard, N], this device's rows of the right operand; same dtype.
-    axis_name: the mesh axis that shards K (size D), bound by shard_map.
+    axis_name: the mesh axis that shards K (size D), bound by shard_map. It
+      may be one axis of a larger mesh.
     impl: "auto", "pallas", "xla_bsp" or "xla_ring". See `explain`.
-    config: tile configuration for impl "pallas"; None picks one.
+      "pallas" is the fused kernel (Hopper GPUs, bf16/fp16); "auto" does not
+      take it yet (experimental until its GPU tests pass at D >= 2).
+    reduce_in_float32: how the devices' partial products are summed. False
+      (the default): each device's float32-accumulated product is rounded to
+      x's dtype and the partials are summed in x's dtype, as a user's
+      `psum_scatter` of a bf16 product does (half the bytes of a float32
+      exchange; the fused kernel does this). True: the partials are exchanged
+      and summed in float32 and rounded once (XLA paths only).
+    config: a `pallas_kernels.matmul_reduce_scatter.MatmulReduceScatterConfig`
+      for impl "pallas"; None takes the kernel's heuristic.
 
   Returns:
     [M / D, N] in x's dtype: rows [i * M/D, (i+1) * M/D) of the sum over the
-    axis of every device's x @ w, on the device at axis index i. Partial sums
-    are accumulated and reduced in float32.
+    axis of every device's x @ w, on the device at axis index i.
 
   Raises:
     ValueError: unbound axis_name, ranks, K_shard mismatch, M not divisible by
       D, an impl that cannot run these shapes here.
     TypeError: unsupported or mismatched dtypes.
   """
-  problem = _bind(x, w, _validate.bound_axis_size(axis_name), config)
-  choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
-  return _XLA[choice.impl](x, w, axis_name)
+  problem = _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config)
+  choice = _choose(problem, impl)
+  if choice.impl == "pallas":
+    return _fused(x, w, axis_name, _kernel_config(problem))
+  return _XLA[choice.impl](x, w, axis_name, reduce_in_float32)

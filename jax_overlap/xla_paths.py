@@ -52,19 +52,22 @@ def all_gather_matmul_ring(x, w, axis_name, return_gathered=False):
 
 
 # Matmul + reduce-scatter: x [M, K_shard], w [K_shard, N] -> rows [M/D, N] of the sum.
+# The partials are exchanged and summed in float32 if reduce_in_float32, else
+# in x's dtype (each device's float32 product rounded once first).
 
-def matmul_reduce_scatter_bsp(x, w, axis_name):
-  partial = _dot(x, w)
+def matmul_reduce_scatter_bsp(x, w, axis_name, reduce_in_float32=False):
+  partial = _dot(x, w).astype(_F32 if reduce_in_float32 else x.dtype)
   return lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 
-def matmul_reduce_scatter_ring(x, w, axis_name):
+def matmul_reduce_scatter_ring(x, w, axis_name, reduce_in_float32=False):
   d = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
   rows = x.shape[0] // d
+  exchange = _F32 if reduce_in_float32 else x.dtype
 
   def partial(chunk):
-    return _dot(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w)
+    return _dot(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w).astype(exchange)
 
   # At step s this device adds its part of chunk (me - s - 1) mod D to the
   # running sum received from its left neighbour; after D - 1 shifts the sum

@@ -83,10 +83,6 @@ _MAX_IDLE_PUSHERS = 12
 # Pieces of each row chunk in the first group that a remote tile of the
 # "push" send waits for (2 x 256 columns: 8 K steps of 64).
 _FIRST_GROUP_PIECES = 2
-# Row chunks per strip of the tile order when a step spans several waves
-# (2x H200, 4096x8192x7168 per shard: strips of 8 or 16 chunks were 8-10%
-# faster than one strip of 32, 4 in between; benchmarks/NOTES.md AG v7).
-_STRIP_CHUNKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,35 +138,22 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
                    num_sms: int) -> AllGatherMatmulConfig:
   """A config that fits the shape (the default one if none does).
 
-  Tiles: of the CTA tiles that divide the shape, the one with the least
-  estimated time, waves x tile area, small tiles taxed for their lower wgmma
-  efficiency (at 128x8192x7168 per shard, 128x256 tiles fill 56 of 132 SMs).
+  Tiles: `gemm_core.choose_tiles` over the D steps.
   Send: "push" for one wave (by up to 12 of the SMs without a tile if there
   are 8 or more of them, else by all blocks), or two waves with many idle
   blocks; else "forward", with the tiles in strips of row chunks when there
   are more than two waves (benchmarks/NOTES.md has the measurements behind
   these rules).
   """
-  itemsize = jnp.dtype(dtype).itemsize
-  best = None
-  for tile_m, cta_n in ((128, 256), (64, 256), (128, 128), (64, 128)):
-    tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=cta_n // 2, wg_split="n",
-                                epi_tile_n=min(64, cta_n // 2))
-    if tiles.unsupported_reason(m_shard, k, n_shard, itemsize) is not None:
-      continue
-    per_step = (m_shard // tiles.cta_m) * (n_shard // tiles.cta_n)
-    area = tiles.cta_m * tiles.cta_n
-    cost = -(-axis_size * per_step // num_sms) * area * (1.0 if area >= 128 * 256 else 1.15)
-    if best is None or cost < best[0]:
-      best = (cost, tiles, per_step)
-  if best is None:
+  tiles = gemm_core.choose_tiles(m_shard, k, n_shard, dtype, steps=axis_size,
+                                 num_sms=num_sms)
+  if tiles is None:
     return AllGatherMatmulConfig()
-  _, tiles, per_step = best
+  m_chunks = m_shard // tiles.cta_m
+  per_step = m_chunks * (n_shard // tiles.cta_n)
   total = axis_size * per_step
   if total > 2 * num_sms:
-    m_chunks = m_shard // tiles.cta_m
-    strip = max(c for c in range(1, _STRIP_CHUNKS + 1) if m_chunks % c == 0)
-    return AllGatherMatmulConfig(tiles, "forward", strip_chunks=strip)
+    return AllGatherMatmulConfig(tiles, "forward", strip_chunks=gemm_core.default_strip(m_chunks))
   # One wave: the SMs without a tile push, so that the local tiles start at
   # once; too few of them, and every block pushes. Two waves: the blocks with
   # a tile fewer push, if there are enough of them to keep NVLink busy; else
@@ -301,10 +284,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       order = dict(first=info.local_index == 0,
                    last=info.local_index == info.num_local_steps - 1)
       step, t = lin // tiles_per_step, lin % tiles_per_step
-      # Strip s of the step's chunks, the visit-th column visited in it.
-      s, r = t // (strip * n_tiles), t % (strip * n_tiles)
-      visit, chunk = r // strip, s * strip + r % strip
-      n_idx = jnp.where(s % 2 == 0, visit, n_tiles - 1 - visit)
+      chunk, n_idx, visit = gemm_core.strip_position(t, m_chunks, n_tiles, strip)
       src = lax.rem(me + step, d)
       row0 = src * m_shard + chunk * tiles.cta_m
       b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]

@@ -85,6 +85,64 @@ class GemmTiles:
     return None
 
 
+# Row chunks per strip of the tile order when a step spans several waves
+# (2x H200, all-gather matmul at 4096x8192x7168 per shard: strips of 8 or 16
+# chunks were 8-10% faster than one strip of 32, 4 in between; matmul +
+# reduce-scatter at 8192x4096x7168 on one H200: 8 and 16 level, 4 1% and one
+# strip 3% slower; benchmarks/NOTES.md, AG v7 and RS v1).
+STRIP_CHUNKS = 8
+# CTA tiles that `choose_tiles` considers, as (tile_m, cta_n), warpgroups side
+# by side along N.
+_CANDIDATES = ((128, 256), (64, 256), (128, 128), (64, 128))
+
+
+def choose_tiles(rows: int, k: int, n: int, dtype, *, steps: int,
+                 num_sms: int) -> GemmTiles | None:
+  """The CTA tiles with the least estimated time for `steps` products of
+  [rows, k] @ [k, n] on `num_sms` SMs, or None if none divides the shape.
+
+  The estimate is waves x tile area, small tiles taxed for their lower wgmma
+  efficiency (e.g. at 128 x 8192 x 7168, 128x256 tiles fill 56 of 132 SMs and
+  64x128 ones all of them).
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  best = None
+  for tile_m, cta_n in _CANDIDATES:
+    tiles = GemmTiles(tile_m=tile_m, tile_n=cta_n // 2, wg_split="n",
+                      epi_tile_n=min(64, cta_n // 2))
+    if tiles.unsupported_reason(rows, k, n, itemsize) is not None:
+      continue
+    area = tiles.cta_m * tiles.cta_n
+    per_step = (rows // tiles.cta_m) * (n // tiles.cta_n)
+    cost = -(-steps * per_step // num_sms) * area * (1.0 if area >= 128 * 256 else 1.15)
+    if best is None or cost < best[0]:
+      best = (cost, tiles)
+  return None if best is None else best[1]
+
+
+def default_strip(m_chunks: int) -> int:
+  """The most row chunks, up to STRIP_CHUNKS, that divide m_chunks."""
+  return max(c for c in range(1, STRIP_CHUNKS + 1) if m_chunks % c == 0)
+
+
+def strip_position(t, m_chunks: int, n_tiles: int, strip: int | None):
+  """Where the t-th tile of one step's [m_chunks, n_tiles] grid lies.
+
+  Tiles run through strips of `strip` row chunks (None: one strip of all), each
+  strip column by column with its chunks fastest, odd strips' columns in
+  reverse, so that a strip's tiles share A rows and B columns in L2.
+
+  Returns:
+    (chunk, n_idx, visit): the row chunk, the column tile, and how many
+    columns the strip visited before this one.
+  """
+  strip = strip or m_chunks
+  s, r = t // (strip * n_tiles), t % (strip * n_tiles)
+  visit, chunk = r // strip, s * strip + r % strip
+  n_idx = jnp.where(s % 2 == 0, visit, n_tiles - 1 - visit)
+  return chunk, n_idx, visit
+
+
 @dataclasses.dataclass(frozen=True)
 class ASend:
   """A tiles that a compute warpgroup TMA-stores out of the ring.
@@ -99,6 +157,23 @@ class ASend:
   """
   when: Callable
   issue: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class TileStore:
+  """One destination of a tile's epilogue.
+
+  Attributes:
+    ref: [cta_m, cta_n] GMEM ref: local, or a peer's through
+      `plgpu.remote_ref` (whose device id the host must be able to recompute:
+      a function of axis indices and constants, not of loop indices).
+    when: traced bool: whether the tile goes here; None: always.
+    reduction: None stores the tile; "add" adds it to what ref holds with TMA
+      reduce-stores (rounded once per add, in ref's dtype).
+  """
+  ref: object
+  when: object = None
+  reduction: Literal["add"] | None = None
 
 
 def _smem_transforms(minor_elems: int, dtype) -> tuple:
@@ -198,7 +273,8 @@ class TileMatmul:
     Args:
       scratch: what `scratch()` allocated.
       a_rows: [cta_m, K] GMEM ref. b_cols: [K, cta_n] GMEM ref.
-      out_tile: [cta_m, cta_n] GMEM ref.
+      out_tile: [cta_m, cta_n] GMEM ref, or a sequence of `TileStore`s (the
+        tile goes to those whose `when` holds, stored or reduce-stored).
       send_a: A tiles to store out of the ring (see `ASend`); needs
         `sends_a=True`.
       after_k: called by both compute warpgroups after the last K step, before
@@ -222,6 +298,7 @@ class TileMatmul:
 
     if send_a is not None and not self.sends_a:
       raise ValueError("send_a needs a core built with sends_a=True.")
+    stores = tuple(out_tile) if isinstance(out_tile, (tuple, list)) else (TileStore(out_tile),)
 
     def mma(idxs, a_smem, b_smem, *consumed_and_acc):
       *consumed, acc = consumed_and_acc
@@ -262,8 +339,8 @@ class TileMatmul:
         run_k_loop(acc)
         if after_k is not None:
           after_k()
-        self._epilogue(acc[...].astype(self.out_dtype),
-                       out_tile.at[wg_rows, wg_cols], scratch["out_smem"].at[wg])
+        self._epilogue(acc[...].astype(self.out_dtype), stores, (wg_rows, wg_cols),
+                       scratch["out_smem"].at[wg])
 
     def run(state):
       self._pipeline(mma, compute_context, state, before_load)(
@@ -281,8 +358,9 @@ class TileMatmul:
     pl.when(only)(lambda: run(None))
     pl.when(jnp.logical_not(only))(lambda: run(state))
 
-  def _epilogue(self, result, out_ref, smem) -> None:
-    """Stores one warpgroup's tile through two alternating SMEM granules."""
+  def _epilogue(self, result, stores, wg_slice, smem) -> None:
+    """Stores one warpgroup's tile (its `wg_slice` of each store's ref)
+    through two alternating SMEM granules, one bulk group per granule."""
     t = self.tiles
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     granules = itertools.product(range(t.tile_m // t.epi_tile_m), range(t.tile_n // t.epi_tile_n))
@@ -293,7 +371,14 @@ class TileMatmul:
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       smem[slot] = result[rows, cols]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(smem.at[slot], out_ref.at[rows, cols])
+      # Each granule is one bulk group, whichever stores ran.
+      single = len(stores) == 1 and stores[0].when is None
+      for store in stores:
+        plgpu.copy_smem_to_gmem(smem.at[slot], store.ref.at[wg_slice].at[rows, cols],
+                                predicate=store.when, commit_group=single,
+                                reduction_op=store.reduction)
+      if not single:
+        plgpu.commit_smem_to_gmem_group()
 
 
 def launch(body, *, out_type, num_sms: int, interpret=None):

@@ -44,3 +44,20 @@ def signal(sem, scope: Literal["gpu", "sys"] = "gpu") -> None:
         has_side_effects=True)
 
   add(sem)
+
+
+def async_proxy_fence() -> None:
+  """Orders this thread's generic-proxy accesses before its later TMA
+  (async-proxy) accesses of global memory.
+
+  After a semaphore wait that acquired a peer's stores, this makes TMA copies
+  that follow (e.g. a reduce-store into the memory the peer wrote) see them:
+  the acquire alone orders generic-proxy accesses only (PTX memory model,
+  proxies). Every thread of the warpgroup runs it.
+  """
+
+  @plgpu.inline_mgpu()
+  def fence(_):
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+  fence()

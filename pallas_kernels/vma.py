@@ -30,3 +30,18 @@ def mark_varying(outputs, axes: frozenset[str]):
       return lax.pcast(x, missing, to="varying")
     return x
   return jax.tree.map(cast, outputs)
+
+
+def sum_to_varying_of(ct, primal):
+  """A cotangent `ct`, summed over the manual axes it varies over and
+  `primal` does not.
+
+  A kernel's cotangent varies over every axis its inputs vary over (the
+  outputs are typed so); where the primal is replicated (a weight over a data
+  axis), its gradient is the sum of its replicas' contributions.
+  """
+  have = jax.typeof(ct).manual_axis_type.varying
+  want = jax.typeof(primal).manual_axis_type.varying
+  if extra := tuple(sorted(have - want)):
+    ct = lax.psum(ct, extra)
+  return ct

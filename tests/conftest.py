@@ -23,6 +23,8 @@ import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 import testkit  # pylint: disable=wrong-import-position
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=wrong-import-position
+from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=wrong-import-position
 
 
 def _hopper_skip_reason() -> str | None:
@@ -63,3 +65,12 @@ def axis_type(request):
 def mesh_2d(axis_type):
   """A ("data", "model") mesh of shape (2, 4), of each axis type."""
   return testkit.mesh_2d(axis_type)
+
+
+@pytest.fixture
+def interpreter():
+  """Interpreter params; afterwards, reset the interpreter's global state
+  (needed after an interpreter error, harmless otherwise), so that one failing
+  case cannot break the cases after it."""
+  yield plgpu.InterpretGPUParams
+  interpret_pallas_call.reset_gpu_interpret_mode_state()

@@ -15,7 +15,6 @@ set, not a product.
 import dataclasses
 import functools
 import itertools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import testkit
 from benchmarks import shapes
 from pallas_kernels import all_gather_matmul as agm
 from pallas_kernels import gemm_core
@@ -39,24 +39,6 @@ def _dtype_id(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
-def _rng(*key) -> np.random.Generator:
-  """A generator seeded from `key`: each case its own data, every run the same."""
-  return np.random.default_rng(zlib.crc32(repr(key).encode()))
-
-
-# Unit roundoff of each output dtype (half its machine epsilon).
-_UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
-
-
-@pytest.fixture
-def interpreter():
-  """Interpreter params; afterwards, reset the interpreter's global state
-  (needed after an interpreter error, harmless otherwise), so that one failing
-  case cannot break the cases after it."""
-  yield plgpu.InterpretGPUParams
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
 def _config(tile_n: int, wg_split: str, send: str = "forward",
             strip_chunks: int | None = None) -> agm.AllGatherMatmulConfig:
   return agm.AllGatherMatmulConfig(gemm_core.GemmTiles(
@@ -67,41 +49,6 @@ def _config(tile_n: int, wg_split: str, send: str = "forward",
 def _tile_count(d: int, m_shard: int, config: agm.AllGatherMatmulConfig) -> int:
   t = config.tiles
   return d * (m_shard // t.cta_m) * (N // t.cta_n)
-
-
-def assert_matmul_close(out, gathered, w, dtype) -> None:
-  """out == gathered @ w up to what a float32-accumulated, `dtype`-rounded
-  matmul may differ from the exact (float64) product, per element:
-
-    |out - ref| <= 2 * (u * |ref| + K * 2^-24 * (|gathered| @ |w|)) + 2^-24
-
-  u * |ref| is the output's final rounding (u = unit roundoff of dtype),
-  K * 2^-24 * (|g| @ |w|) bounds float32 summation of K exact products, the
-  factor 2 is slack and 2^-24 covers fp16 subnormals. A wrong, missing or
-  stale tile, or a dropped K step, is off by O(1).
-  """
-  out64 = np.asarray(out).astype(np.float64)
-  g64 = np.asarray(gathered).astype(np.float64)
-  w64 = np.asarray(w).astype(np.float64)
-  ref = g64 @ w64
-  assert out64.shape == ref.shape, (out64.shape, ref.shape)
-  assert np.all(np.isfinite(out64)), (
-      f"{np.sum(~np.isfinite(out64))} non-finite outputs (tiles never written?)"
-      f" at rows {sorted(set(np.nonzero(~np.isfinite(out64))[0].tolist()))[:8]}...")
-  u = _UNIT_ROUNDOFF[np.dtype(dtype).name]
-  k = g64.shape[1]
-  bound = 2 * (u * np.abs(ref) + k * 2.0**-24 * (np.abs(g64) @ np.abs(w64))) + 2.0**-24
-  err = np.abs(out64 - ref)
-  bad = err > bound
-  if np.any(bad):
-    rows, cols = np.nonzero(bad)
-    i = np.argmax(err - bound)
-    r, c = np.unravel_index(i, err.shape)
-    raise AssertionError(
-        f"{bad.sum()} of {err.size} elements off; worst at ({r}, {c}): got"
-        f" {out64[r, c]:.6g}, expected {ref[r, c]:.6g} (bound {bound[r, c]:.3g});"
-        f" bad rows {sorted(set(rows.tolist()))[:16]}, bad cols"
-        f" {sorted(set(cols.tolist()))[:16]}")
 
 
 # (D, index, wg_split, tile_n, dtype, M_shard, K, num_sms). Every device index
@@ -136,7 +83,7 @@ def _case_id(case):
 def _inputs(d: int, m_shard: int, k: int, dtype, *key):
   """gathered [d * m_shard, K] (every device's rows) and w [K, N], rounded to
   dtype; w scaled by 1/sqrt(K) so the outputs are O(1)."""
-  rng = _rng(d, m_shard, k, *key)
+  rng = testkit.rng(d, m_shard, k, *key)
   gathered = rng.standard_normal((d * m_shard, k)).astype(dtype)
   w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(dtype)
   return gathered, w
@@ -179,7 +126,7 @@ def test_kernel_matches_float64_reference(case, interpreter):
   gathered, w = _inputs(d, m_shard, k, dtype, index, wg_split, tile_n, num_sms)
   out, gathered_out = _run(interpreter(), gathered, w, index, d, config, num_sms)
   assert out.shape == (d * m_shard, N) and out.dtype == dtype
-  assert_matmul_close(out, gathered, w, dtype)
+  testkit.assert_matmul_close(out, gathered, w, dtype)
   np.testing.assert_array_equal(np.asarray(gathered_out), gathered)
 
 
@@ -197,7 +144,7 @@ def test_no_data_races_in_the_pipeline(k, num_sms, interpreter):
   assert _tile_count(d, m_shard, config) == 12
   gathered, w = _inputs(d, m_shard, k, BF16, "races")
   out, _ = _run(interpreter(detect_races=True), gathered, w, index, d, config, num_sms)
-  assert_matmul_close(out, gathered, w, BF16)
+  testkit.assert_matmul_close(out, gathered, w, BF16)
   assert not interpret_pallas_call.get_races().races_found
 
 
@@ -253,7 +200,7 @@ def _hooked_gemm(x, w, tiles, interpret, hooks, *, a_from_second=False, scratch=
 
 
 def _operands(name, k):
-  rng = _rng(name, k)
+  rng = testkit.rng(name, k)
   x = rng.standard_normal((128, k)).astype(BF16)  # 2 row chunks, 3 or 4 K steps
   w = (rng.standard_normal((k, 256)) / np.sqrt(k)).astype(BF16)  # 2 columns of 128
   return x, w
@@ -290,7 +237,7 @@ def test_send_a_is_race_free(k, stride, interpreter):
   x, w = _operands("forward-hook", k)
   out, copied = _hooked_gemm(x, w, _HOOK_TILES, interpreter(detect_races=True), hooks,
                              sends_a=True)
-  assert_matmul_close(out, x, w, BF16)
+  testkit.assert_matmul_close(out, x, w, BF16)
   sent = np.arange(k) // _HOOK_TILES.tile_k % stride == 0
   np.testing.assert_array_equal(np.asarray(copied)[:, sent], x[:, sent])
   assert not interpret_pallas_call.get_races().races_found
@@ -337,7 +284,7 @@ def test_before_load_hook_precedes_the_steps_loads(k, interpreter):
   out, a = _hooked_gemm(x, w, t, interpreter(detect_races=True), hooks,
                         a_from_second=True, scratch=scratch)
   np.testing.assert_array_equal(np.asarray(a), x)
-  assert_matmul_close(out, x, w, BF16)
+  testkit.assert_matmul_close(out, x, w, BF16)
   assert not interpret_pallas_call.get_races().races_found
 
 

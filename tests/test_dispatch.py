@@ -130,3 +130,23 @@ def test_on_hopper_pallas_is_not_rejected_for_the_platform():
   shape = shapes.ALL_GATHER_MATMUL[0]
   choice = jax_overlap.explain_all_gather_matmul(*_agm_args(shape, 2), axis_size=2)
   assert all("compute capability 9.0" not in reason for _, reason in choice.rejected)
+
+
+def test_auto_rules_apply_to_auto_only():
+  """An impl that runs a problem but whose auto rule declines it is named in
+  `rejected` under auto, and still runs when named."""
+  from jax_overlap import dispatch  # pylint: disable=import-outside-toplevel
+  table = {"fast": dispatch.always, "slow": dispatch.always}
+  rules = {"fast": lambda p: f"measured slower at {p}."}
+  auto = dispatch.choose("op", "auto", "shape", table, ("fast", "slow"), rules)
+  assert auto == jax_overlap.Choice("op", "auto", "slow", (("fast", "measured slower at shape."),))
+  assert dispatch.choose("op", "fast", "shape", table, ("fast", "slow"), rules).impl == "fast"
+
+
+def test_matmul_reduce_scatter_in_float32_is_an_xla_path():
+  args = _mrs_args(shapes.MATMUL_REDUCE_SCATTER[0], 2)
+  with pytest.raises(ValueError, match="reduce_in_float32=True needs an XLA path"):
+    jax_overlap.explain_matmul_reduce_scatter(*args, axis_size=2, impl="pallas",
+                                              reduce_in_float32=True)
+  choice = jax_overlap.explain_matmul_reduce_scatter(*args, axis_size=2, reduce_in_float32=True)
+  assert choice.impl == "xla_bsp"

@@ -74,3 +74,42 @@ def matmul_case_id(case) -> str:
   """Test id of a matmul case (D, rows, contraction, cols, dtype)."""
   d, m, k, n, dtype = case
   return f"D{d}-{m}x{k}x{n}-{dtype_id(dtype)}"
+
+
+# Unit roundoff of each output dtype (half its machine epsilon).
+_UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def assert_matmul_close(out, gathered, w, dtype) -> None:
+  """out == gathered @ w up to what a float32-accumulated, `dtype`-rounded
+  matmul may differ from the exact (float64) product, per element:
+
+    |out - ref| <= 2 * (u * |ref| + K * 2^-24 * (|gathered| @ |w|)) + 2^-24
+
+  u * |ref| is the output's final rounding (u = unit roundoff of dtype),
+  K * 2^-24 * (|g| @ |w|) bounds float32 summation of K exact products, the
+  factor 2 is slack and 2^-24 covers fp16 subnormals. A wrong, missing or
+  stale tile, or a dropped K step, is off by O(1).
+  """
+  out64 = np.asarray(out).astype(np.float64)
+  g64 = np.asarray(gathered).astype(np.float64)
+  w64 = np.asarray(w).astype(np.float64)
+  ref = g64 @ w64
+  assert out64.shape == ref.shape, (out64.shape, ref.shape)
+  assert np.all(np.isfinite(out64)), (
+      f"{np.sum(~np.isfinite(out64))} non-finite outputs (tiles never written?)"
+      f" at rows {sorted(set(np.nonzero(~np.isfinite(out64))[0].tolist()))[:8]}...")
+  u = _UNIT_ROUNDOFF[np.dtype(dtype).name]
+  k = g64.shape[1]
+  bound = 2 * (u * np.abs(ref) + k * 2.0**-24 * (np.abs(g64) @ np.abs(w64))) + 2.0**-24
+  err = np.abs(out64 - ref)
+  bad = err > bound
+  if np.any(bad):
+    rows, cols = np.nonzero(bad)
+    i = np.argmax(err - bound)
+    r, c = np.unravel_index(i, err.shape)
+    raise AssertionError(
+        f"{bad.sum()} of {err.size} elements off; worst at ({r}, {c}): got"
+        f" {out64[r, c]:.6g}, expected {ref[r, c]:.6g} (bound {bound[r, c]:.3g});"
+        f" bad rows {sorted(set(rows.tolist()))[:16]}, bad cols"
+        f" {sorted(set(cols.tolist()))[:16]}")

@@ -1,0 +1,273 @@
+"""Fused matmul + reduce-scatter on Hopper: one persistent kernel per device.
+
+Per shard: x [M, K_shard] (this device's columns of the left operand), w
+[K_shard, N] (its rows of the right operand). Device i ends with rows
+[i * M/D, (i+1) * M/D) of sum_j x_j @ w_j: the partial products of every
+device's row block are added straight into the block's owner's output over
+NVLink, with no receive buffer and no second pass.
+
+Schedule. Output tiles are numbered step-major: step s < D - 1 computes the
+row block of device (me + 1 + s) % D, the peers' blocks first; step D - 1 the
+own block, last. Within a step tiles run through strips of row chunks
+(`gemm_core.strip_position`). Each tile's partial leaves the epilogue by TMA:
+- step 0: stored into the owner's output (the first write of that tile);
+- steps 1 .. D - 2 (D > 2): reduce-added (TMA `add`) into the owner's output,
+  once the step-0 sender's store of the tile has landed there (it signals the
+  later senders as well as the owner);
+- step D - 1, the own tile: once every peer's partial of the tile has landed
+  (D - 1 signals), reduce-added into the local output.
+So the last wave, the own tiles, sends nothing over NVLink, and the own tiles
+of the last wave wait for partials that were sent a wave or more earlier.
+Partials travel in the operands' dtype (bf16 / fp16), as a reduce-scatter of
+a bf16 product does (`psum_scatter` in x's dtype): at D = 2 the result is
+round(round(p_peer) + round(p_own)), deterministic; at D > 2 the peers' adds
+land in arrival order.
+
+Signals. Each compute warpgroup stores its half of a tile and announces it
+itself (a release-ordered add at system scope, `signals.signal`, after it has
+awaited its stores). It does so one tile late, after the next tile's K loop,
+when the stores have long landed, so the compute warpgroups never wait for a
+round trip over NVLink; a block's last tile is announced after the loop.
+Semaphores: landed[t, wg] on the owner counts the peers' halves of its tile
+t; first_in[s, t, wg] on the step-s sender says that the step-0 sender's
+half has landed at the owner.
+
+Deadlock freedom: step-0 tiles wait for nothing; later peer tiles wait only
+for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
+block issues its pending signal before anything it waits for, and every
+block of the persistent grid (one per SM, at most the SM count) is resident
+at once. Every signal and every store into a device is awaited by that device
+before it exits, so nothing outlives the call; XLA zeroes the semaphores and
+runs a cross-device barrier before each launch, so calls are safe back to
+back.
+
+Exchange seam: with `Standalone`, the kernel computes the partials of device
+`index` of `size` on one device with the same schedule and tile placement,
+storing each into a local [size, M/D, N] buffer by step instead of sending
+it (no remote refs, semaphores, waits or reduce-stores, which the Mosaic GPU
+interpreter cannot run): that is how the schedule is tested on CPU.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gemm_core
+from pallas_kernels import signals
+from pallas_kernels import vma
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+# Rows per device are padded up to a multiple of this before tiles are chosen.
+_ROW_QUANTUM = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulReduceScatterConfig:
+  """Tiles of the fused matmul + reduce-scatter kernel.
+
+  Attributes:
+    tiles: the GEMM core's tiles (see gemm_core.GemmTiles); tiles.cta_m must
+      divide the rows per device after padding (`padded_rows`).
+    strip_chunks: the tile order within one row block: strips of this many
+      row chunks (see `gemm_core.strip_position`); None: one strip. Must
+      divide the row chunks per block.
+  """
+  tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
+  strip_chunks: int | None = None
+
+  def padded_rows(self, rows: int) -> int:
+    """Rows per device that the kernel computes: `rows` rounded up to a
+    multiple of the CTA tile's rows (the padding rows are zeros)."""
+    return -(-rows // self.tiles.cta_m) * self.tiles.cta_m
+
+
+def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
+                   num_sms: int) -> MatmulReduceScatterConfig:
+  """A config for `rows` = M / D rows per device (the default one if no
+  tiles fit): `gemm_core.choose_tiles` over the D steps, with the rows padded
+  to a multiple of 64, and strips of row chunks past two waves."""
+  padded = -(-rows // _ROW_QUANTUM) * _ROW_QUANTUM
+  tiles = gemm_core.choose_tiles(padded, k_shard, n, dtype, steps=axis_size, num_sms=num_sms)
+  if tiles is None:
+    return MatmulReduceScatterConfig()
+  m_chunks = padded // tiles.cta_m
+  total = axis_size * m_chunks * (n // tiles.cta_n)
+  strip = gemm_core.default_strip(m_chunks) if total > 2 * num_sms else None
+  return MatmulReduceScatterConfig(tiles, strip)
+
+
+def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
+                       config: MatmulReduceScatterConfig) -> str | None:
+  """None if the kernel can run this per-shard problem (`rows` = M / D rows
+  per device), else why not."""
+  if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
+    return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
+  if not isinstance(config, MatmulReduceScatterConfig):
+    return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
+  padded = config.padded_rows(rows)
+  if reason := config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize):
+    return reason
+  m_chunks = padded // config.tiles.cta_m
+  if config.strip_chunks is not None and (
+      config.strip_chunks < 1 or m_chunks % config.strip_chunks):
+    return (f"config.strip_chunks = {config.strip_chunks} must divide the row chunks per"
+            f" device, {padded} / {config.tiles.cta_m} = {m_chunks}.")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Standalone:
+  """Stands in for the exchange: compute the partials of device `index` of
+  `size` on one device, each stored locally by owner (see the module)."""
+  index: int
+  size: int
+
+
+def _pad_blocks(x, d: int, rows: int, padded: int):
+  """x [d * rows, K] -> [d * padded, K]: each device's row block padded with
+  zero rows."""
+  if padded == rows:
+    return x
+  blocks = x.reshape(d, rows, x.shape[1])
+  return jnp.pad(blocks, ((0, 0), (0, padded - rows), (0, 0))).reshape(d * padded, -1)
+
+
+def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterConfig,
+                          num_sms: int, standalone: Standalone | None = None,
+                          interpret=None):
+  """Runs the fused kernel on this shard.
+
+  Args:
+    x: [M, K_shard] bf16/fp16, M a multiple of D. w: [K_shard, N], same dtype.
+    axis_name: the mesh axis of size D that shards K (the kernel runs inside
+      shard_map over it); unused with `standalone`.
+    config: tiles; `unsupported_reason` must have accepted the shapes.
+    num_sms: blocks of the persistent grid at most (the GPU's SM count).
+    standalone: replaces the exchange (see `Standalone`).
+    interpret: Mosaic GPU interpreter params (CPU testing), or None.
+
+  Returns:
+    [M / D, N] in x's dtype, this device's rows of the sum over the axis; with
+    `standalone`, [D, M / D, N]: the partial that device `index` computes at
+    each step s, x[rows of device (index + 1 + s) % D] @ w.
+  """
+  exchange = standalone is None
+  d = lax.axis_size(axis_name) if exchange else standalone.size
+  m, k = x.shape
+  n = w.shape[1]
+  rows = m // d
+  tiles = config.tiles
+  padded = config.padded_rows(rows)
+  x = _pad_blocks(x, d, rows, padded)
+  m_chunks = padded // tiles.cta_m
+  n_tiles = n // tiles.cta_n
+  per_step = m_chunks * n_tiles
+  total = d * per_step
+  grid = min(num_sms, total)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+  remote = exchange and d > 1
+
+  def body(x_ref, w_ref, out_ref):
+    me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
+    wg = lax.axis_index(gemm_core.WG_AXIS)
+    sm = lax.axis_index("sm")
+    if remote:
+      landed = pl.get_global(plgpu.SemaphoreType.REGULAR((per_step, 2)))
+      first_in = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, per_step, 2)))
+                  if d > 2 else None)
+
+    def place(lin):
+      """(step, t, chunk, n_idx) of the tile numbered `lin`."""
+      step, t = lin // per_step, lin % per_step
+      chunk, n_idx, _ = gemm_core.strip_position(t, m_chunks, n_tiles, config.strip_chunks)
+      return step, t, chunk, n_idx
+
+    # The owner of step s's rows. Destinations take it with a static s: a
+    # peer's address must be one the host can recompute for its TMA
+    # descriptors.
+    owner = lambda s: lax.rem(me + 1 + s, d)
+
+    def announce(lin):
+      """A compute warpgroup: its half of tile `lin` has landed at the owner
+      (and, from step 0, at the later senders) if it was a peer's tile."""
+      step, t, _, _ = place(lin)
+
+      @pl.when(step < d - 1)
+      @jax.named_scope("signal")
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        for s in range(d - 1):
+          pl.when(step == s)(lambda s=s: signals.signal(
+              plgpu.remote_ref(landed.at[t, wg], {axis_name: owner(s)}), "sys"))
+        if first_in is not None:
+          @pl.when(step == 0)
+          def _():
+            for s in range(1, d - 1):
+              later = {axis_name: lax.rem(me - s + d, d)}
+              signals.signal(plgpu.remote_ref(first_in.at[s, t, wg], later), "sys")
+
+    def tile(scratch, info):
+      lin = info.index[0]
+      order = dict(first=info.local_index == 0,
+                   last=info.local_index == info.num_local_steps - 1)
+      step, t, chunk, n_idx = place(lin)
+      a_rows = x_ref.at[pl.ds(owner(step) * padded + chunk * tiles.cta_m, tiles.cta_m)]
+      b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
+      at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
+
+      if not exchange:
+        with jax.named_scope("tile"):
+          core(scratch, a_rows, b_cols, out_ref.at[step].at[at], **order)
+        return
+      if not remote:  # one device: a plain GEMM
+        with jax.named_scope("own_tile"):
+          core(scratch, a_rows, b_cols, out_ref.at[at], **order)
+        return
+
+      def after_k():
+        """The previous tile's announcement, then what this tile waits for:
+        a later sender for the first sender's store, the owner for every
+        peer's partial."""
+        pl.when(info.local_index > 0)(lambda: announce(lin - grid))
+        if first_in is not None:
+          @pl.when((step > 0) & (step < d - 1))
+          @jax.named_scope("wait_first")
+          def _():
+            pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
+            signals.async_proxy_fence()
+
+        @pl.when(step == d - 1)
+        @jax.named_scope("wait_peers")
+        def _():
+          pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
+          signals.async_proxy_fence()
+
+      stores = [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
+                                    when=step == s, reduction="add" if s else None)
+                for s in range(d - 1)]
+      stores.append(gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add"))
+      with jax.named_scope("tile"):
+        core(scratch, a_rows, b_cols, stores, after_k=after_k, **order)
+
+    @jax.named_scope("tiles")
+    def run_tiles(**scratch):
+      @plgpu.nd_loop((total,), collective_axes="sm")
+      def _(info):
+        tile(scratch, info)
+
+    pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
+    if remote:
+      # The block's last tile, announced by the warpgroups that stored it.
+      mine = (total - sm + grid - 1) // grid
+      pl.when((wg < 2) & (mine > 0))(lambda: announce(sm + (mine - 1) * grid))
+    gemm_core.final_wait()
+
+  shape = (padded, n) if exchange else (d, padded, n)
+  out = gemm_core.launch(body, out_type=jax.ShapeDtypeStruct(shape, x.dtype), num_sms=grid,
+                         interpret=interpret)(x, w)
+  out = out[..., :rows, :]
+  return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))

@@ -1,0 +1,194 @@
+"""The fused matmul + reduce-scatter kernel on CPU: schedule, lowering, checks.
+
+`pallas_kernels.matmul_reduce_scatter` runs through the Mosaic GPU interpreter
+with the exchange replaced by `Standalone` (the interpreter runs neither
+semaphores, remote refs nor TMA reduce-stores): one device computes every
+partial that device `index` of `D` computes, with the real tile schedule
+(step-major: step s is the block of device (index + 1 + s) % D, its own block
+last), strip order, row padding, GEMM core and epilogue, each stored by step.
+Every step's partial is checked against float64. The exchange itself (remote stores and reduce-stores, signals,
+waits) is checked to lower for CUDA at D = 1..4; it runs on GPUs in
+tests/test_matmul_reduce_scatter_gpu.py.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import testkit
+from benchmarks import shapes
+from pallas_kernels import gemm_core
+from pallas_kernels import matmul_reduce_scatter as rs
+
+BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+N = 256
+
+
+def _config(tile_n: int, wg_split: str, strip_chunks=None) -> rs.MatmulReduceScatterConfig:
+  return rs.MatmulReduceScatterConfig(gemm_core.GemmTiles(
+      tile_m=64, tile_n=tile_n, tile_k=64, stages=2, wg_split=wg_split,
+      epi_tile_m=64, epi_tile_n=64), strip_chunks)
+
+
+# (D, index, wg_split, tile_n, strip_chunks, dtype, rows per device, K_shard,
+# num_sms). Every device index of D = 1, 2, 3; both warpgroup splits; rows a
+# multiple of the CTA tile and not (40, 100: padded to 64 / 128), 1-3 row
+# chunks; K 128 (2 steps = stages) and 192 (the ring wraps); 1 to 4 tiles
+# along N; num_sms 1, below the tile count and not dividing it, and above it.
+CASES = [
+    (1, 0, "n", 64, None, BF16, 128, 128, 3),
+    (1, 0, "m", 128, None, F16, 40, 192, 1),
+    (2, 0, "n", 128, None, F16, 192, 128, 4),
+    (2, 1, "n", 64, 1, BF16, 100, 192, 5),
+    (2, 0, "m", 64, None, BF16, 128, 128, 132),
+    (2, 1, "m", 128, None, F16, 128, 192, 3),
+    (3, 0, "n", 64, 3, F16, 192, 192, 4),
+    (3, 1, "n", 128, None, BF16, 40, 128, 7),
+    (3, 2, "n", 64, 1, BF16, 128, 128, 5),
+    (3, 2, "m", 64, None, F16, 100, 192, 4),
+]
+
+
+def _case_id(case) -> str:
+  d, index, wg_split, tile_n, strip, dtype, rows, k, num_sms = case
+  return (f"D{d}-dev{index}-split_{wg_split}-tn{tile_n}-strip{strip}-{dtype.name}"
+          f"-{rows}x{k}x{N}-sms{num_sms}")
+
+
+def test_cases_cover_what_they_claim():
+  """Each case is accepted, and the set has padded rows and uneven waves."""
+  padded = uneven = 0
+  for d, _, wg_split, tile_n, strip, dtype, rows, k, num_sms in CASES:
+    config = _config(tile_n, wg_split, strip)
+    assert rs.unsupported_reason(rows, k, N, dtype, config) is None
+    padded += config.padded_rows(rows) != rows
+    t = config.tiles
+    tiles = d * (config.padded_rows(rows) // t.cta_m) * (N // t.cta_n)
+    uneven += 1 < num_sms < tiles and tiles % num_sms != 0
+  assert padded >= 3 and uneven >= 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_every_steps_partial_matches_float64(case, interpreter):
+  d, index, wg_split, tile_n, strip, dtype, rows, k, num_sms = case
+  rng = testkit.rng("rs", case)
+  x = rng.standard_normal((d * rows, k)).astype(dtype)
+  w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(dtype)
+  out = rs.matmul_reduce_scatter(
+      x, w, config=_config(tile_n, wg_split, strip), num_sms=num_sms,
+      standalone=rs.Standalone(index, d), interpret=interpreter())
+  assert out.shape == (d, rows, N) and out.dtype == dtype
+  for step in range(d):
+    owner = (index + 1 + step) % d
+    testkit.assert_matmul_close(out[step], x[owner * rows:(owner + 1) * rows], w, dtype)
+
+
+@pytest.mark.timeout(120)
+def test_no_data_races(interpreter):
+  """The interpreter's race detector sees no unordered accesses: blocks of
+  several tiles each, ring across tiles, padded rows."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=import-outside-toplevel
+  d, rows, k = 2, 100, 256
+  rng = testkit.rng("rs-races")
+  x = rng.standard_normal((d * rows, k)).astype(BF16)
+  w = (rng.standard_normal((k, N)) / 16).astype(BF16)
+  out = rs.matmul_reduce_scatter(x, w, config=_config(64, "n"), num_sms=3,
+                                 standalone=rs.Standalone(1, d),
+                                 interpret=interpreter(detect_races=True))
+  assert not interpret_pallas_call.get_races().races_found
+  testkit.assert_matmul_close(out[0], x[:rows], w, BF16)  # step 0: device 0's rows
+
+
+# --- support checks and configs -----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=testkit.dtype_id)
+def test_unsupported_dtype_is_rejected(dtype):
+  reason = rs.unsupported_reason(128, 128, 256, dtype, _config(64, "n"))
+  assert reason is not None and "bf16 and fp16" in reason
+
+
+@pytest.mark.parametrize("dim,rows,k,n", [("K", 128, 96, 256), ("N", 128, 128, 200)])
+def test_non_divisible_shape_is_rejected_naming_the_dimension(dim, rows, k, n):
+  reason = rs.unsupported_reason(rows, k, n, BF16, _config(64, "n"))
+  assert reason is not None and reason.startswith(f"{dim} = ")
+
+
+def test_rows_are_padded_not_rejected():
+  config = _config(64, "n")
+  assert rs.unsupported_reason(8, 128, 256, BF16, config) is None
+  assert config.padded_rows(8) == 64 and config.padded_rows(64) == 64
+  assert config.padded_rows(65) == 128
+
+
+def test_strip_not_dividing_the_row_chunks_is_rejected():
+  reason = rs.unsupported_reason(192, 128, 256, BF16, _config(64, "n", strip_chunks=2))
+  assert reason is not None and "strip_chunks" in reason
+
+
+def test_other_config_types_are_rejected():
+  reason = rs.unsupported_reason(128, 128, 256, BF16, gemm_core.GemmTiles())
+  assert reason is not None and "MatmulReduceScatterConfig" in reason
+
+
+@pytest.mark.parametrize("d", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", shapes.MATMUL_REDUCE_SCATTER, ids=str)
+def test_default_config_is_supported(shape, d):
+  """At every benchmark shape and D, with rows down to 8 per device."""
+  rows = shape.m // d
+  config = rs.default_config(rows, shape.k_shard, shape.n, BF16, axis_size=d, num_sms=132)
+  assert rs.unsupported_reason(rows, shape.k_shard, shape.n, BF16, config) is None
+
+
+def test_default_config_strips_only_past_two_waves():
+  big = rs.default_config(4096, 4096, 7168, BF16, axis_size=2, num_sms=132)
+  assert big.strip_chunks is not None and (4096 // big.tiles.cta_m) % big.strip_chunks == 0
+  assert rs.default_config(128, 4096, 7168, BF16, axis_size=2, num_sms=132).strip_chunks is None
+
+
+# --- the exchange lowers for CUDA ---------------------------------------------
+
+
+@pytest.mark.parametrize("d,shape", [
+    (1, (256, 1024, 1024)),
+    (2, (2048, 4096, 4096)),
+    (2, (64, 4096, 7168)),
+    (3, (384, 1024, 1024)),
+    (4, (512, 4096, 7168)),
+    (4, (8192, 1024, 1024)),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"D{v}")
+def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
+  """Remote stores and reduce-stores, signals and waits lower for CUDA at
+  D = 1..4 (the interpreter cannot run them), peers' TMA descriptors
+  included: their device ids must be recomputable on the host. With peers,
+  tiles are announced by release-ordered adds and the waits are followed by
+  the async-proxy fence; at D = 1 there is neither."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
+  assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
+
+  def body(x, w):
+    out = rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132)
+    assert out.shape == (m // d, n)
+    assert jax.typeof(out).manual_axis_type.varying == frozenset({"x"})
+    return out
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)),
+                            out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  assert "mosaic_gpu" in module
+  assert ("red.release.sys" in module) == (d > 1)
+  assert ("fence.proxy.async.global" in module) == (d > 1)
+
+
+def test_config_is_frozen():
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    _config(64, "n").strip_chunks = 2  # type: ignore[misc]
