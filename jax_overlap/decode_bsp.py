@@ -176,13 +176,11 @@ def local_partials(q, k, v, kv_lens, scale: float, seq_offset, *, interpret: boo
       interpret=interpret,
       name="decode_partials",
   )(q.reshape(b, hkv, group, dh), k, v, None, lens)
-  # Per split: o unnormalized, l its sum, m its max (float32's lowest where the
-  # split holds no valid position, with l = 0 and o = 0).
-  some = l > 0
-  safe_l = jnp.where(some, l, 1.0)
+  # Per split: o unnormalized, l its sum, m its max; a split with no valid
+  # position has o = 0, l = 0 (so lse = -inf) and m = float32's lowest.
   # gqa puts a barrier here (b/389925439: NaNs after JIT compilation without it).
-  lse = lax.optimization_barrier(jnp.where(some, m + jnp.log(safe_l), -jnp.inf))
-  o = xla_paths.merge_partials(o / safe_l[..., None], lse, axis=2)
+  lse = lax.optimization_barrier(m + jnp.log(l))
+  o = xla_paths.merge_partials(o / jnp.where(l > 0, l, 1.0)[..., None], lse, axis=2)
   lse = _logsumexp(lse, axis=2)
   return o.reshape(b, hq, dh), lse.reshape(b, hq)
 
