@@ -7,12 +7,16 @@ everywhere) and this device's slice of the KV cache, S_total / D positions,
 bf16, full lengths -> the attention output [B, Hq, Dh] on every device.
 
 Cases:
-  ours      pallas (where `explain` picks it), xla_bsp.
-  baseline  gqa_bsp: JAX's Pallas Triton decode kernel
+  ours      pallas (where `explain` picks it), pallas_bsp (NVIDIA GPUs: JAX's
+            Triton decode kernel body read in place from [B, S, Hkv, Dh],
+            all-gather, merge; see `jax_overlap.decode_bsp`), xla_bsp.
+  baseline  gqa_bsp: JAX's Pallas Triton decode kernel as a user calls it
             (`decode_attention.gqa`, K/V [B, S, Hkv, Dh] as a user holds them;
             it transposes both to [B, Hkv, S, Dh] inside every call) on the
-            local slice, returning its log-sum-exp, then an all-gather of the
-            partials and the log-sum-exp merge. GPU only.
+            local slice, returning its log-sum-exp, then the library's
+            all-gather of the partials and log-sum-exp merge
+            (`decode_bsp.gather_merge`). GPU only. It differs from pallas_bsp
+            by the two transposes and gqa's bf16 combine of its splits.
             mqa_native_bsp: the same pipeline on K/V already stored as
             [B, Hkv, S, Dh], calling `decode_attention.mqa` over B * Hkv with
             gqa's kernel parameters: the kernel's best layout. GPU only.
@@ -24,6 +28,7 @@ Cases:
 The rate reported is KV GB/s per device: its KV slice's bytes / time.
 """
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -35,6 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
+from jax_overlap import decode_bsp
 from jax_overlap import xla_paths
 from benchmarks import cases
 from benchmarks import runner
@@ -80,22 +86,23 @@ def _decode_attention():
   return decode_attention
 
 
-def _merge(o, lse, dtype):
-  """Every device's partial (o [B, Hq, Dh], lse [B, Hq] fp32) -> the exact output."""
-  outs, lses = lax.all_gather(o, AXIS), lax.all_gather(lse, AXIS)  # [D, ...]
-  weights = jnp.exp(lses - jnp.max(lses, axis=0))
-  merged = jnp.sum(weights[..., None] * outs.astype(jnp.float32), axis=0)
-  return (merged / jnp.sum(weights, axis=0)[..., None]).astype(dtype)
+def _merge(o, l, m, dtype):
+  """Every device's partial from Triton's residuals (o [B, Hq, Dh] normalized,
+  l and m [B, Hq]; full lengths, so l > 0) -> the exact output, by the
+  library's all-gather and merge."""
+  lse = m + jnp.log(l)
+  return decode_bsp.gather_merge(o.astype(jnp.float32), lse, AXIS).astype(dtype)
 
 
 def _gqa_bsp(q, k, v):
   """k, v [B, S_shard, Hkv, Dh] (the user's layout)."""
   o, (l, m) = _decode_attention().gqa(q, k, v, return_residuals=True)
-  return _merge(o, m + jnp.log(l), q.dtype)
+  return _merge(o, l, m, q.dtype)
 
 
 def _mqa_native_bsp(q, k, v):
-  """k, v [B, Hkv, S_shard, Dh] (the kernel's layout), as gqa calls its kernel."""
+  """k, v [B, Hkv, S_shard, Dh] (the kernel's layout), as gqa calls its kernel.
+  The gqa_bsp pipeline in the kernel's own layout: only the layout differs."""
   da = _decode_attention()
   b, hq, dh = q.shape
   hkv, s = k.shape[1], k.shape[2]
@@ -103,7 +110,7 @@ def _mqa_native_bsp(q, k, v):
   kernel_args = {name: defaults[name].default for name in _GQA_KERNEL_ARGS}
   o, (l, m) = da.mqa(q.reshape(b * hkv, hq // hkv, dh), k.reshape(b * hkv, s, dh),
                      v.reshape(b * hkv, s, dh), return_residuals=True, **kernel_args)
-  return _merge(o.reshape(b, hq, dh), (m + jnp.log(l)).reshape(b, hq), q.dtype)
+  return _merge(o.reshape(b, hq, dh), l.reshape(b, hq), m.reshape(b, hq), q.dtype)
 
 
 def _local_floor(q, k, v):
@@ -149,6 +156,13 @@ def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runn
         (inputs["q"], to_native(inputs["k"]), to_native(inputs["v"])),
         {"kv_layout": "[B, Hkv, S, Dh], transposed once before timing"})
 
+  def pallas_bsp() -> runner.Built:
+    try:
+      choice = explain("pallas_bsp")
+    except ValueError as e:  # not an NVIDIA GPU, or a shape the Triton kernel does not take
+      raise runner.Skip(str(e)) from None
+    return dataclasses.replace(ours("pallas_bsp"), info={"explain": str(choice)})
+
   local_floor = lambda: runner.Built(
       spmd.per_shard(_local_floor, mesh, kv_specs, (P(AXIS), P(AXIS))), args)
 
@@ -156,7 +170,9 @@ def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runn
     cases.require_hopper("our decode kernel")
     return runner.Built(spmd.per_shard(local_kernel, mesh, kv_specs, P(AXIS)), args)
   return [
-      *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp")),
+      cases.ours("pallas", explain, ours),
+      runner.Case("pallas_bsp", "ours", pallas_bsp),
+      cases.ours("xla_bsp", explain, ours),
       runner.Case("gqa_bsp", "baseline", gqa_bsp),
       runner.Case("mqa_native_bsp", "baseline", mqa_native_bsp),
       runner.Case("local_floor", "floor", local_floor, checked=False),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap import _validate
+from jax_overlap import decode_bsp
 from jax_overlap import dispatch
 from jax_overlap import xla_paths
 from pallas_kernels import flash_decode as kernel
@@ -47,8 +48,16 @@ def _pallas_support(p: Problem) -> str | None:
       p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard, p.dtype, _kernel_config(p))
 
 
-_TABLE = {"pallas": _pallas_support, "xla_bsp": dispatch.always}
-_AUTO_ORDER = ("pallas", "xla_bsp")
+def _pallas_bsp_support(p: Problem) -> str | None:
+  return decode_bsp.gpu_unavailable_reason() or decode_bsp.unsupported_reason(
+      p.head_dim, p.s_shard, p.dtype)
+
+
+_TABLE = {"pallas": _pallas_support, "pallas_bsp": _pallas_bsp_support,
+          "xla_bsp": dispatch.always}
+# The fused kernel; else, on an NVIDIA GPU, a fast local kernel and an
+# all-gather (XLA's einsum attention is ~3x slower than a local kernel); else XLA.
+_AUTO_ORDER = ("pallas", "pallas_bsp", "xla_bsp")
 
 
 def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
@@ -86,6 +95,8 @@ def explain(q, k, v, kv_lens=None, *, axis_size: int, impl: str = "auto",
   """The implementation `flash_decode` would use, without running it.
 
   Arguments may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
+  With impl="auto" the `Choice` lists, for each impl tried before the chosen
+  one ("pallas", then "pallas_bsp"), the sentence saying why it cannot run.
   """
   problem = _bind(q, k, v, kv_lens, axis_size, config)
   return dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
@@ -107,8 +118,18 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       nothing). None means every position is valid. A sequence of length 0
       yields zeros.
     scale: softmax scale; None means 1 / sqrt(Dh).
-    impl: "auto" (the fused kernel where it applies, else "xla_bsp"),
-      "pallas" or "xla_bsp". See `explain`.
+    impl: "auto" tries, in order:
+      "pallas": the fused kernel (Hopper; bf16/fp16, Dh 64 or 128, S_shard a
+        multiple of its block_kv * splits): local attention and exchange of
+        the partials in one persistent kernel;
+      "pallas_bsp": on any NVIDIA GPU (compute capability >= 8.0; bf16/fp16,
+        Dh 64 or 128, S_shard split by `decode_bsp.kernel_params`): JAX's
+        Pallas Triton decode kernel over the local slice, `lax.all_gather`
+        of the partials, then the log-sum-exp merge (see
+        `jax_overlap.decode_bsp`);
+      "xla_bsp": anywhere: XLA einsum attention over the local slice, then
+        an all-reduce merge.
+      A named impl that cannot run raises. See `explain`.
     config: a `jax_overlap.FlashDecodeConfig` for impl "pallas"; None takes
       the kernel's heuristic (one wave of work items on this GPU).
 
@@ -128,6 +149,9 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
   if choice.impl == "pallas":  # kv_lens=None: no lengths input, no masking
     return kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
                                config=_kernel_config(problem), num_sms=platform.num_sms())
+  if choice.impl == "pallas_bsp":
+    return decode_bsp.flash_decode(q, k, v, None if kv_lens is None else kv_lens.astype(jnp.int32),
+                                   scale, axis_name)
   if kv_lens is None:
     kv_lens = jnp.full((problem.batch,), problem.axis_size * problem.s_shard, jnp.int32)
   return xla_paths.flash_decode_bsp(q, k, v, kv_lens.astype(jnp.int32), scale, axis_name)

@@ -58,10 +58,18 @@ def test_auto_on_cpu_picks_xla_bsp_and_says_why_not_pallas(op, explain, args, ca
     choice = explain(*args(shape, d), axis_size=d)
     assert isinstance(choice, jax_overlap.Choice)
     assert (choice.op, choice.requested, choice.impl) == (op, "auto", "xla_bsp"), shape
-    [(rejected, reason)] = choice.rejected
+    (rejected, reason), *others = choice.rejected
     assert rejected == "pallas"
     assert "Hopper" in reason and "'cpu'" in reason
-    assert f"{op}: impl='auto' -> xla_bsp; pallas rejected: {reason}" == str(choice)
+    why = f"; pallas rejected: {reason}"
+    if op == "flash_decode":  # then its BSP pipeline over the Triton kernel
+      [(rejected, other)] = others
+      assert rejected == "pallas_bsp"
+      assert "NVIDIA GPU" in other and "'cpu'" in other
+      why += f"; pallas_bsp rejected: {other}"
+    else:
+      assert not others
+    assert f"{op}: impl='auto' -> xla_bsp{why}" == str(choice)
 
 
 @pytest.mark.parametrize("impl", ["xla_bsp", "xla_ring"])

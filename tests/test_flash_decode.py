@@ -1,4 +1,5 @@
-"""flash_decode (per shard) and sharded_flash_decode against float64."""
+"""flash_decode (per shard) and sharded_flash_decode against float64; impl
+"pallas_bsp" with its Triton kernel interpreted."""
 
 import functools
 
@@ -9,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
+from jax_overlap import decode_bsp
 import testkit
 import reference
 from testkit import AXIS
@@ -127,3 +129,97 @@ def test_sharded_wrapper_matches_reference(case, with_lens, axis_type):
   assert out.dtype == dtype
   assert out.sharding.is_equivalent_to(jax.NamedSharding(mesh, P()), 3)
   reference.assert_close(out, reference.flash_decode(q, k, v, lens), dtype)
+
+
+# impl "pallas_bsp" on CPU: the Triton decode kernel in Pallas' interpreter,
+# the all-gather and the merge. (D, Hq, Hkv, Dh, S_shard, dtype): MHA with one
+# KV split per slice; GQA with 2 splits; MQA with 32 query heads (two blocks
+# of 16) and 4 splits; lengths end inside a split, at split and shard edges.
+BSP_CASES = [
+    (1, 4, 4, 64, 16, jnp.bfloat16),
+    (2, 8, 2, 64, 32, jnp.float16),
+    (4, 32, 1, 64, 64, jnp.bfloat16),
+]
+
+
+def _bsp_interpreted(mesh, q, k, v, kv_lens, scale=None):
+  """decode_bsp.flash_decode with the kernel interpreted, in shard_map with
+  check_vma=False (the interpreter does not type its blocks for shard_map);
+  every device's output, stacked: [D, B, Hq, Dh]."""
+  d = mesh.shape[AXIS]
+  kv_spec = P(None, AXIS, None, None)
+  scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+  args = [testkit.put(mesh, q, P()), testkit.put(mesh, k, kv_spec), testkit.put(mesh, v, kv_spec)]
+  in_specs = [P(), kv_spec, kv_spec]
+  if kv_lens is not None:
+    args.append(testkit.put(mesh, kv_lens, P()))
+    in_specs.append(P())
+
+  def body(q, k, v, kv_lens=None):
+    return decode_bsp.flash_decode(q, k, v, kv_lens, scale, AXIS, interpret=True)[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=P(AXIS),
+                            check_vma=False))
+  out = f(*args)
+  assert out.dtype == q.dtype
+  return np.asarray(out).reshape(d, *q.shape)
+
+
+@pytest.mark.parametrize("case", BSP_CASES, ids=_case_id)
+def test_pallas_bsp_interpreted_ragged_lengths(case):
+  d, _, _, _, s_shard, dtype = case
+  assert decode_bsp.unsupported_reason(case[3], s_shard, dtype) is None
+  q, k, v = _inputs(*case, "pallas_bsp")
+  lens = ragged_lens(d, s_shard)
+  outs = _bsp_interpreted(testkit.mesh_1d(d), q, k, v, lens)
+  _check_every_device(outs, reference.flash_decode(q, k, v, lens), dtype)
+  np.testing.assert_array_equal(outs[:, lens == 0], 0.0, err_msg="length-0 sequence")
+
+
+def test_pallas_bsp_interpreted_without_kv_lens_and_custom_scale():
+  case = BSP_CASES[2]
+  q, k, v = _inputs(*case, "pallas_bsp no lens")
+  outs = _bsp_interpreted(testkit.mesh_1d(case[0]), q, k, v, None, scale=0.3)
+  _check_every_device(outs, reference.flash_decode(q, k, v, scale=0.3), case[-1])
+
+
+def test_pallas_bsp_output_is_typed_replicated_under_check_vma():
+  """Traced (not run: the kernel compiles only for GPUs) in a shard_map with
+  check_vma=True whose out_specs say the output is the same on every device,
+  as `sharded_flash_decode` declares it."""
+  d, hq, hkv, dh, s_shard, dtype = BSP_CASES[1]
+  mesh = testkit.mesh_1d(d)
+  kv_spec = P(None, AXIS, None, None)
+  b = 3
+  q = jax.ShapeDtypeStruct((b, hq, dh), dtype, sharding=jax.NamedSharding(mesh, P()))
+  kv = jax.ShapeDtypeStruct((b, d * s_shard, hkv, dh), dtype,
+                            sharding=jax.NamedSharding(mesh, kv_spec))
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=jax.NamedSharding(mesh, P()))
+  body = lambda q, k, v, kv_lens: decode_bsp.flash_decode(q, k, v, kv_lens, 0.1, AXIS)
+  traced = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), kv_spec, kv_spec, P()),
+                                 out_specs=P())).trace(q, kv, kv, lens)
+  assert traced.out_info.shape == (b, hq, dh)
+
+
+def test_explain_on_cpu_says_why_neither_gpu_impl_runs():
+  q = jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 512, 2, 64), jnp.bfloat16)
+  choice = jax_overlap.explain_flash_decode(q, kv, kv, axis_size=2)
+  assert choice.impl == "xla_bsp"
+  assert [name for name, _ in choice.rejected] == ["pallas", "pallas_bsp"]
+  assert "NVIDIA GPU" in dict(choice.rejected)["pallas_bsp"]
+  with pytest.raises(ValueError, match="impl='pallas_bsp' cannot run .* NVIDIA GPU"):
+    jax_overlap.explain_flash_decode(q, kv, kv, axis_size=2, impl="pallas_bsp")
+
+
+def test_pallas_bsp_shape_rules():
+  # gqa's defaults wherever the kernel takes them (every benchmark shape).
+  assert decode_bsp.kernel_params(4096) == {"k_splits": 16, "block_k": 128}
+  assert decode_bsp.kernel_params(512) == {"k_splits": 16, "block_k": 32}
+  assert decode_bsp.kernel_params(64) == {"k_splits": 4, "block_k": 16}
+  assert decode_bsp.kernel_params(384) == {"k_splits": 1, "block_k": 128}
+  assert decode_bsp.unsupported_reason(128, 4096, jnp.float16) is None
+  for args, words in [((64, 512, jnp.float32), "bf16 and fp16"),
+                      ((96, 512, jnp.bfloat16), "head dims"),
+                      ((64, 48, jnp.bfloat16), "S_shard = 48")]:
+    assert words in decode_bsp.unsupported_reason(*args)

@@ -1,5 +1,7 @@
 """flash_decode(impl="pallas") on Hopper GPUs: the fused kernel, exchange
-included, against float64 on every device (`gpu` marker; skipped elsewhere).
+included, against float64 on every device (`gpu` marker; skipped elsewhere);
+then impl="pallas_bsp" (the Triton decode kernel, all-gather, merge) against
+float64 and xla_bsp, and auto taking it where the fused kernel does not apply.
 
 Covers the benchmark heads at reduced lengths and odd shapes (B = 3, MHA,
 MQA, GQA with groups of 4), ragged lengths (zero, one position, ending inside
@@ -223,3 +225,76 @@ def test_beside_an_all_gather_matmul_and_a_psum_in_one_jit():
   _check_every_device(att, want, dtype)
   _check_every_device(total / D, want, dtype)
   _check_every_device(projected, reference.matmul(att[0].reshape(-1, dh), w), dtype)
+
+
+# impl "pallas_bsp": JAX's Triton decode kernel, all-gather, merge.
+
+def _impl_fn(mesh, impl):
+  """jit(shard_map(flash_decode(impl=impl))) with kv_lens, every device's
+  output stacked along a new leading axis (check_vma=True, shard_map's default)."""
+  def body(q, k, v, kv_lens):
+    return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl=impl)[None]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), KV_SPEC, KV_SPEC, P()),
+                               out_specs=P(AXIS)))
+
+
+@pytest.mark.parametrize("d", sorted({2, D}))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_pallas_bsp_matches_xla_bsp_and_float64(case, d):
+  """Ragged lengths (zero, one position, ending inside a shard so later
+  devices are empty, at a shard edge, full) on 2 devices and on all."""
+  mesh = testkit.mesh_1d(d)
+  s_shard, dtype = case[3], case[4]
+  q, k, v = _inputs(d, case, "pallas_bsp")
+  lens = ragged_lens(d, s_shard)
+  put = functools.partial(testkit.put, mesh)
+  args = (put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC), put(lens, P()))
+  outs = np.asarray(_impl_fn(mesh, "pallas_bsp")(*args))
+  xla = np.asarray(_impl_fn(mesh, "xla_bsp")(*args))
+  want = reference.flash_decode(q, k, v, lens)
+  _check_every_device(outs, want, dtype)
+  reference.assert_close(outs[0], xla[0].astype(np.float64), dtype, what="pallas_bsp vs xla_bsp")
+  np.testing.assert_array_equal(outs[:, lens == 0], 0.0, err_msg="length-0 sequence")
+
+
+def test_pallas_bsp_decode_steps_in_a_python_loop():
+  """Six calls of one jitted function, lengths growing by one, fresh queries."""
+  mesh = testkit.mesh_1d(D)
+  case = CASES[1]
+  f = _impl_fn(mesh, "pallas_bsp")
+  q, k, v = _inputs(D, case, "bsp loop", batch=4)
+  put = functools.partial(testkit.put, mesh)
+  k_dev, v_dev = put(k, KV_SPEC), put(v, KV_SPEC)
+  lens = np.array([0, 5, case[3] - 2, D * case[3] - 6], np.int32)
+  rng = testkit.rng("bsp loop-q")
+  for step in range(6):
+    q = testkit.normal(rng, q.shape, case[4])
+    outs = np.asarray(f(put(q, P()), k_dev, v_dev, put(lens + step, P())))
+    _check_every_device(outs, reference.flash_decode(q, k, v, lens + step), case[4])
+
+
+def test_pallas_bsp_without_kv_lens_through_the_sharded_wrapper():
+  """sharded_flash_decode declares its output the same on every device."""
+  mesh = testkit.mesh_1d(D)
+  case = CASES[0]
+  q, k, v = _inputs(D, case, "bsp sharded")
+  with jax.set_mesh(mesh):
+    out = jax.jit(functools.partial(jax_overlap.sharded_flash_decode, axis_name=AXIS,
+                                    impl="pallas_bsp"))(
+        testkit.put(mesh, q, P()), testkit.put(mesh, k, KV_SPEC), testkit.put(mesh, v, KV_SPEC))
+  reference.assert_close(out, reference.flash_decode(q, k, v), case[4])
+
+
+def test_auto_takes_pallas_bsp_where_the_fused_kernel_does_not_apply():
+  """60 query heads per KV head: the fused kernel's 64-row window cannot hold
+  them from an 8-row boundary; the Triton kernel takes them (4 blocks of 16)."""
+  mesh = testkit.mesh_1d(D)
+  case = (60, 1, 128, 512, BF16)
+  q, k, v = _inputs(D, case, "auto bsp")
+  choice = jax_overlap.explain_flash_decode(q, k[:, :case[3]], v[:, :case[3]], axis_size=D)
+  assert choice.impl == "pallas_bsp" and [n for n, _ in choice.rejected] == ["pallas"], str(choice)
+  lens = ragged_lens(D, case[3])
+  put = functools.partial(testkit.put, mesh)
+  outs = np.asarray(_impl_fn(mesh, "auto")(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC),
+                                           put(lens, P())))
+  _check_every_device(outs, reference.flash_decode(q, k, v, lens), case[4])
