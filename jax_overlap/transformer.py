@@ -231,15 +231,16 @@ def decode_impl_for(impl: str, decode_impl: str | None = None) -> str:
   return impl if impl in ("auto", "pallas", "xla_bsp") else "xla_bsp"
 
 
-def explain(config: TransformerConfig, *, axis_size: int, batch: int, seq: int,
-            impl: str = "auto", decode_impl: str | None = None,
+def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = None,
+            seq: int | None = None, impl: str = "auto", decode_impl: str | None = None,
             decode_batch: int | None = None, cache_len: int | None = None,
             attention: str | None = None) -> tuple[str, ...]:
   """What each op of one layer (and the head) would run, without running it.
 
-  Per-shard shapes of a step over `batch` x `seq` tokens, and, if
-  `decode_batch` and `cache_len` are given, of a decode step. Returns one line
-  per op: the `dispatch.Choice` (chosen impl, why earlier ones were rejected).
+  The attention implementation; with `batch` and `seq`, the ops of a training
+  or prefill step over batch x seq tokens; with `decode_batch` and
+  `cache_len`, those of a decode step. Returns one line per op: the
+  `dispatch.Choice` (chosen impl, why earlier ones were rejected).
   """
   c, d = config, axis_size
   c.check(d)
@@ -261,7 +262,7 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int, seq: int,
         (f"{what} head", explain_all_gather_matmul(s(rows // d, c.hidden), s(c.hidden, c.vocab // d),
                                            axis_size=d, impl=impl))]
 
-  choices = ops(batch * seq, "step")
+  choices = ops(batch * seq, "step") if batch is not None and seq is not None else []
   if decode_batch is not None and cache_len is not None:
     choices += ops(decode_batch, "decode")
     choices.append(("decode attention", explain_flash_decode(
