@@ -215,60 +215,63 @@ def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
           "dispatch_ms": t.dispatch_us / 1e3, "kernels": t.kernels}
 
 
-def _time_decode(fn, params, tokens, cache, iterations: int, devices: int) -> dict:
-  """Decode steps threading the donated cache: back-to-back dispatch (best of
-  harness.DISPATCH_REPEATS runs of N steps), then N single-step CUPTI profiles."""
-  _, cache = fn(params, tokens, cache)
-  jax.block_until_ready(cache)
+def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices: int):
+  """Steps that donate their state, each fed the last one's (`advance(args,
+  outputs)` gives the next call's args): back-to-back dispatch (best of
+  harness.DISPATCH_REPEATS runs of N steps), then N single-step CUPTI profiles.
+  Returns (figures, the last args)."""
+  args = advance(args, fn(*args))
+  jax.block_until_ready(args)
   best = float("inf")
   for _ in range(harness.DISPATCH_REPEATS):
     start = time.perf_counter()
     for _ in range(iterations):
-      _, cache = fn(params, tokens, cache)
-    jax.block_until_ready(cache)
+      args = advance(args, fn(*args))
+    jax.block_until_ready(args)
     best = min(best, (time.perf_counter() - start) / iterations)
   result = {"dispatch_ms": best * 1e3, "cupti_ms": None, "kernels": ()}
   if harness.cupti_available():
     per_call = []
     for _ in range(iterations):
-      ms, kernels, (_, cache) = _cupti_per_call(fn, (params, tokens, cache), devices)
+      ms, kernels, out = _cupti_per_call(fn, args, devices)
+      args = advance(args, out)
       per_call.append(ms)
     result.update(cupti_ms=statistics.median(per_call), kernels=kernels)
-  jax.block_until_ready(cache)
-  del cache
-  return result
+  return result, jax.block_until_ready(args)
 
 
-def _build(case: Case, config, params, mesh, iterations: int) -> dict:
-  """Compiles, checks memory, runs and times one case; returns the record's figures."""
-  v, d = case.variant, case.d
+def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
+  """Compiles, checks memory, runs and times one case; returns the record's
+  figures. A training step donates the parameters: holder["params"] gets
+  the last step's."""
+  v, d, params = case.variant, case.d, holder["params"]
   common = dict(config=config, axis_name=AXIS, mesh=mesh, impl=v.impl)
   b, s = case.batch, case.seq
   tokens_spec = NamedSharding(mesh, P())
   layers = params["layers"]["w_o"].shape[0]
   abstract_params = _abstract(params, mesh, transformer.param_specs(AXIS))
   decode = case.step == "decode"
-  explain = transformer.explain(
+  info = {"explain": transformer.explain(
       config, axis_size=d, batch=None if decode else b, seq=None if decode else s,
       impl=v.impl, decode_impl=v.decode_impl, decode_batch=b if decode else None,
-      cache_len=s if decode else None)
-  info = {"explain": explain}
-  if case.step in ("train", "prefill"):
-    tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
-    if case.step == "train":
-      fn = jax.jit(functools.partial(transformer.train_step, learning_rate=LEARNING_RATE,
-                                     **common))
-      abstract = (abstract_params, tok, tok)
-    else:
-      fn = jax.jit(functools.partial(transformer.prefill, cache_len=s, **common))
-      abstract = (abstract_params, tok)
-    compiled = fn.lower(*abstract).compile()
+      cache_len=s if decode else None)}
+  gen = np.random.default_rng(0)
+  tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
+  tokens = lambda: jax.device_put(gen.integers(0, config.vocab, (b, s)).astype(np.int32),
+                                  tokens_spec)
+  if case.step == "prefill":
+    fn = jax.jit(functools.partial(transformer.prefill, cache_len=s, **common))
+    compiled = fn.lower(abstract_params, tok).compile()
     info["memory"] = _check_memory(compiled, 0)
-    gen = np.random.default_rng(0)
-    args = [jax.device_put(gen.integers(0, config.vocab, (b, s)).astype(np.int32), tokens_spec)
-            for _ in abstract[1:]]
-    return {**_time_stateless(compiled, (params, *args), iterations, d), "info": info}
-  # decode
+    return {**_time_stateless(compiled, (params, tokens()), iterations, d), "info": info}
+  if case.step == "train":
+    fn = jax.jit(functools.partial(transformer.train_step, learning_rate=LEARNING_RATE,
+                                   **common), donate_argnums=(0,))
+    compiled = fn.lower(abstract_params, tok, tok).compile()
+    info["memory"] = _check_memory(compiled, 0)
+    figures, (holder["params"], _, _) = _time_threaded(
+        compiled, (params, tokens(), tokens()), lambda a, out: (out[0], *a[1:]), iterations, d)
+    return {**figures, "info": info}
   specs = transformer.cache_specs(AXIS)
   shape = (layers, b, s, config.kv_heads, config.head_dim)
   cache_abstract = transformer.KVCache(
@@ -277,16 +280,24 @@ def _build(case: Case, config, params, mesh, iterations: int) -> dict:
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl, **common),
                donate_argnums=(2,))
-  tok = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec)
-  compiled = fn.lower(abstract_params, tok, cache_abstract).compile()
+  compiled = fn.lower(abstract_params, jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec),
+                      cache_abstract).compile()
   cache_bytes = 2 * int(np.prod(shape)) * jnp.dtype(config.dtype).itemsize // d
   info["memory"] = _check_memory(compiled, cache_bytes)
   make_cache = jax.jit(
       lambda: transformer.KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype),
                                   jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
       out_shardings=jax.tree.map(lambda a: a.sharding, cache_abstract))
-  tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
-  return {**_time_decode(compiled, params, tokens, make_cache(), iterations, d), "info": info}
+  new_tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
+  figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()),
+                              lambda a, out: (*a[:2], out[1]), iterations, d)
+  return {**figures, "info": info}
+
+
+def _lost(params) -> bool:
+  """Whether parameters must be made: none yet, or some donated and gone."""
+  return params is None or (not isinstance(params, Exception) and any(
+      a.is_deleted() for a in jax.tree.leaves(params)))
 
 
 def _error_text(e: Exception) -> str:
@@ -296,7 +307,7 @@ def _error_text(e: Exception) -> str:
   return text + " | " + "".join(traceback.format_exception(e)[-2:])[-600:]
 
 
-def _run_case(case: Case, config, params, mesh, iterations: int, deadline: float) -> dict:
+def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline: float) -> dict:
   record = {"key": case.key, "model": case.model, "d": case.d, "step": case.step,
             "shape": case.shape, "batch": case.batch, "seq": case.seq,
             "variant": case.variant.name, "impl": case.variant.impl,
@@ -308,7 +319,7 @@ def _run_case(case: Case, config, params, mesh, iterations: int, deadline: float
     return {**record, "status": "skipped", "reason": "time budget (--time_budget_s) spent"}
   start = time.monotonic()
   try:
-    figures = _build(case, config, params, mesh, iterations)
+    figures = _build(case, config, holder, mesh, iterations)
   except Skip as e:
     return {**record, "status": "skipped", "reason": str(e)}
   except Exception as e:  # pylint: disable=broad-except
@@ -439,7 +450,7 @@ def main(argv) -> None:
     config = base if on_gpu else dataclasses.replace(base, dtype=jnp.float32)
     for d in sizes:
       mesh = _mesh(d)
-      params = None
+      holder = {"params": None}
       for m, dd, step, b, s in cases:
         if (m, dd) != (model, d):
           continue
@@ -447,24 +458,26 @@ def main(argv) -> None:
           done += 1
           case = Case(model, d, step, b, s, variant)
           print(f"[{done}/{total}] {case.key} ({time.monotonic() - start:.0f} s)", flush=True)
-          if params is None and time.monotonic() <= deadline:
-            try:
+          if _lost(holder["params"]) and time.monotonic() <= deadline:
+            try:  # first use, or a failed training step consumed them
               config.check(d)
-              params = _params(config, layers, mesh)
+              holder["params"] = None
+              gc.collect()
+              holder["params"] = _params(config, layers, mesh)
             except Exception as e:  # pylint: disable=broad-except
-              params = e
-          if isinstance(params, Exception):
+              holder["params"] = e
+          if isinstance(holder["params"], Exception):
             record = {"key": case.key, "model": model, "d": d, "step": step, "shape": case.shape,
                       "variant": variant.name, "status": "failed",
-                      "reason": "parameters: " + _error_text(params)}
+                      "reason": "parameters: " + _error_text(holder["params"])}
           else:
-            record = _run_case(case, config, params, mesh, iterations, deadline)
+            record = _run_case(case, config, holder, mesh, iterations, deadline)
           record["layers"] = layers
           print(f"    {_line(record)}", flush=True)
           for label, ms in record.get("breakdown_ms", {}).items():
             print(f"      {ms:9.3f} ms  {label}", flush=True)
           records.append(record)
-      del params
+      del holder
       gc.collect()
   _emit(records, everything, device, pallas, layers, iterations)
 
