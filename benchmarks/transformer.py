@@ -2,7 +2,7 @@
 same model on the best BSP paths, per step, at several axis sizes in one call.
 
     python -m benchmarks.transformer [--quick] [--models=70b,8b] [--steps=train,prefill,decode]
-        [--axis_sizes=4,2] [--layers=8] [--iterations=0] [--time_budget_s=540]
+        [--axis_sizes=4,2] [--model_layers=8] [--iterations=0] [--time_budget_s=540]
         [--decode_bsp_impl=xla_bsp] [--out_dir=benchmarks/results] [--fresh]
 
 Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
@@ -12,7 +12,7 @@ Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
          impl=--decode_bsp_impl (the local decode attention, then an exchange
          and the log-sum-exp merge; "xla_bsp" until a faster local kernel has a
          name there).
-Steps (random weights, `--layers` layers under lax.scan, bf16 on GPU):
+Steps (random weights, `--model_layers` layers under lax.scan, bf16 on GPU):
   train    loss, gradients through the ops' VJPs and an SGD update, over
            B x S tokens (1 x 8192 and 8 x 2048).
   prefill  B x S prompt tokens into a cache of S positions, logits of the
@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import harness
+from benchmarks import runner  # pylint: disable=unused-import (its --iterations, --out_dir)
 from benchmarks import spmd
 from jax_overlap import transformer
 from pallas_kernels import platform
@@ -69,14 +70,13 @@ _STEPS = flags.DEFINE_list("steps", ["train", "prefill", "decode"], "Steps to ti
 _AXIS_SIZES = flags.DEFINE_list("axis_sizes", ["4", "2"],
                                 "Axis sizes D, in this order; those above the device count"
                                 " are left out.")
-_LAYERS = flags.DEFINE_integer("layers", 0, "Layers; 0: 8 on GPUs, 2 on CPU.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 0, "Calls per figure; 0: 10 on GPUs (decode"
-                                   " 20), 3 on CPU.")
+_LAYERS = flags.DEFINE_integer("model_layers", 0, "Layers; 0: 8 on GPUs, 2 on CPU.")
+# --iterations (calls per figure; 0: 10 on GPUs, 3 on CPU) and --out_dir are
+# benchmarks.runner's flags.
 _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 540.0,
                                     "Start no case after this many seconds.")
 _DECODE_BSP_IMPL = flags.DEFINE_string("decode_bsp_impl", "xla_bsp",
                                        "flash_decode impl of the bsp model.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "benchmarks/results", "Where the JSON and PNG go.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _MEMORY_FRACTION = flags.DEFINE_float(
     "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
@@ -421,7 +421,7 @@ def _plan(on_gpu: bool) -> tuple[list[str], dict, list[int], int, int]:
     raise app.UsageError(f"--axis_sizes={_AXIS_SIZES.value}: none fits the"
                          f" {len(jax.devices())} devices here.")
   layers = _LAYERS.value or (8 if on_gpu else 2)
-  iterations = _ITERATIONS.value or (10 if on_gpu else 3)
+  iterations = flags.FLAGS.iterations or (10 if on_gpu else 3)
   return models, {s: shapes[s] for s in _STEPS.value}, sizes, layers, iterations
 
 
@@ -483,7 +483,7 @@ def main(argv) -> None:
 
 
 def _emit(records, mesh, device: str, pallas, layers: int, iterations: int) -> None:
-  out_dir = pathlib.Path(_OUT_DIR.value)
+  out_dir = pathlib.Path(flags.FLAGS.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{spmd.device_tag(mesh)}_transformer.json"
   kept = []
