@@ -1,6 +1,8 @@
 # make setup      .venv with Python >= 3.12 (tools/find_python.sh), pip install -e '.[test]'
 # make test       setup, then the test suite (CPU; GPU tests skip without 2+ Hopper GPUs)
-# make bench      setup, then the three benchmarks on the devices present
+# make bench      setup, then the whole model, fused against BSP, on the devices present
+# make bench-ops  setup, then the three op benchmarks on the devices present
+# make readme-table  the README's model figures from benchmarks/results/*_transformer.json
 # make gpu-suite  benchmarks/gpu_suite.sh (GPU tests + benchmarks on a multi-GPU host)
 
 SHELL := /bin/bash
@@ -12,7 +14,7 @@ TEST_TIMEOUT ?= 600
 PYTEST_ARGS ?=
 OUT ?= bench_out/gpu
 
-.PHONY: setup test bench gpu-suite clean
+.PHONY: setup test bench bench-ops readme-table gpu-suite clean
 
 setup:
 	@tools/setup.sh $(VENV)
@@ -25,7 +27,13 @@ test: setup
 	  exit $$rc
 
 bench: setup
-	@tools/bench.sh $(PY)
+	@tools/bench.sh $(PY) model
+
+bench-ops: setup
+	@tools/bench.sh $(PY) ops
+
+readme-table: setup
+	@$(PY) -m benchmarks.model_table --write README.md
 
 # No setup: the GPU host needs jax with the CUDA plugin ('jax[cuda13]==0.11.2'),
 # installed in .venv if there is one, else in the Python on PATH.

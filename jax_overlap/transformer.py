@@ -1,30 +1,57 @@
-"""A tensor- and sequence-parallel transformer built on the fused ops.
+"""A Llama-style, tensor- and sequence-parallel language model on the fused ops.
 
-Megatron-style sequence parallelism over one mesh axis of size D: between
-sublayers the activations are sharded along the sequence ([B, S / D, H] per
-device, its B * S / D tokens the rows of the per-shard ops);
-each sublayer's first matmul is column-parallel into its heads or FFN columns
-(`all_gather_matmul`: the token shards are gathered while multiplied) and its
-last one row-parallel out of them (`matmul_reduce_scatter`: the partial sums
-are reduced and scattered back to token shards). Decoding keeps the KV cache
-sharded along the sequence over the same axis (`flash_decode` combines the
-devices' partial attention), while the projections stay head-parallel.
+One mesh axis of size D shards everything (Megatron tensor parallelism with
+sequence parallelism):
 
-A layer (pre-norm, RMSNorm, GQA attention, GELU MLP):
+- Between sublayers the activations are sharded by tokens: the B * S tokens of
+  a batch, flattened in (sequence, position) order, are split into D blocks of
+  T / D rows, device i holding rows [i * T / D, (i + 1) * T / D). For one
+  sequence that is plain sequence parallelism. Gathered rows come back in the
+  global (sequence, position) order, so position p of a row r is r mod S.
+- Each sublayer's first matmul is column-parallel over heads or FFN columns
+  (`all_gather_matmul`: the token shards are gathered while multiplied); its
+  last is row-parallel (`matmul_reduce_scatter`: partial sums reduced and
+  scattered back to token shards).
+- Attention runs per device over its own heads and all tokens, through
+  `jax.nn.dot_product_attention` with the implementation `attention_impl`
+  names (cuDNN on NVIDIA GPUs, XLA elsewhere).
+- Decoding keeps the KV cache sharded along the sequence (device i holds
+  positions [i * S_max / D, (i + 1) * S_max / D) of every head) and attends
+  through `flash_decode`, which merges the devices' partial attention; the
+  decode batch is sharded like the tokens above.
 
-    h = x + attention(rms_norm(x) * norm_attn) @ w_o
-    y = h + gelu(rms_norm(h) * norm_mlp @ w_up) @ w_down
+A layer (pre-norm; RMSNorm; rotary embeddings; grouped-query attention;
+SwiGLU with gate and up in one matmul):
 
-with q = n @ w_q, k = n @ w_k, v = n @ w_v and the Hq / Hkv query heads of a
-group sharing a KV head. Parameters are stacked over layers (leading axis L)
-and run under `lax.scan`. Sharded over the axis: w_q, w_k, w_v and w_up by
-columns (whole heads per device), w_o and w_down by rows; norms replicated.
-Each op takes `impl` ("auto": the fused kernels where they apply, else XLA).
+    n = rms_norm(x) * norm_attn;  q, k, v = n @ w_qkv;  q, k = rope(q), rope(k)
+    h = x + causal_attention(q, k, v) @ w_o
+    g, u = rms_norm(h) * norm_mlp @ w_gate_up
+    y = h + (silu(g) * u) @ w_down
+
+The model: x = embed[tokens], the layers (stacked over a leading axis L and run
+under `lax.scan`), logits = rms_norm(x) * norm_final @ w_head.
+
+Parameter layouts do not depend on D (any D that divides the head and FFN
+counts takes the same arrays): w_qkv is [L, H, Hkv, G + 2, Dh] (per KV head:
+its G = Hq / Hkv query heads, its key, its value), so sharding it over Hkv
+gives every device whole query groups with their KV heads; query head
+h = kv * G + g reads KV head kv (as `jax.nn.dot_product_attention` and
+`flash_decode` expect). w_gate_up is [L, H, 2, F], sharded over F.
+
+Entry points (global view; they apply `jax.shard_map` themselves and compose
+under `jax.jit`; the mesh is `mesh=` or the one `jax.set_mesh` set):
+  `loss`, `loss_and_grads`, `train_step` (plain SGD), `prefill`,
+  `decode_step`; `jitted(...)` returns the three main ones jitted.
+`impl` goes to every collective op ("auto": the fused kernels where they
+apply, else XLA); `explain` lists what each op and the attention would run.
 """
 
+from collections.abc import Callable
 import dataclasses
 import functools
+import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,201 +60,519 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap import sharded
 from jax_overlap.all_gather_matmul import all_gather_matmul
+from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
+from jax_overlap.flash_decode import explain as explain_flash_decode
 from jax_overlap.flash_decode import flash_decode
+from jax_overlap.matmul_reduce_scatter import explain as explain_matmul_reduce_scatter
 from jax_overlap.matmul_reduce_scatter import matmul_reduce_scatter
 
-_COLUMNS = ("w_q", "w_k", "w_v", "w_up")  # sharded by columns (the last axis)
-_ROWS = ("w_o", "w_down")  # sharded by rows (axis 1 of the stacked [L, rows, cols])
-_NORMS = ("norm_attn", "norm_mlp")
+logger = logging.getLogger("jax_overlap")
+
+ATTENTION_IMPLS = ("cudnn", "xla")
+_F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Shapes of a layer.
+  """Shapes of the model.
 
   Attributes:
     hidden: H, the model width.
-    q_heads, kv_heads: Hq and Hkv (Hq a multiple of Hkv).
-    head_dim: Dh.
-    ffn: F, the MLP's inner width.
+    q_heads, kv_heads: Hq and Hkv (Hq a multiple of Hkv: G = Hq / Hkv).
+    head_dim: Dh (even: rotary embeddings rotate pairs).
+    ffn: F, the SwiGLU inner width.
+    vocab: V, the vocabulary size.
     dtype: parameters' and activations' dtype.
     eps: RMSNorm's epsilon.
+    rope_theta: the rotary embeddings' base.
   """
   hidden: int
   q_heads: int
   kv_heads: int
   head_dim: int
   ffn: int
+  vocab: int = 256
   dtype: jnp.dtype = jnp.bfloat16
-  eps: float = 1e-6
+  eps: float = 1e-5
+  rope_theta: float = 500000.0
+
+  @property
+  def group(self) -> int:
+    """G: query heads per KV head."""
+    return self.q_heads // self.kv_heads
 
   def check(self, axis_size: int) -> None:
-    """Raises ValueError unless the layer splits over an axis of this size."""
+    """Raises ValueError unless the model splits over an axis of this size."""
     if self.q_heads % self.kv_heads:
       raise ValueError(f"q_heads={self.q_heads} must be a multiple of kv_heads={self.kv_heads}.")
-    for name, size in (("kv_heads", self.kv_heads), ("ffn", self.ffn)):
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs).")
+    for name, size in (("kv_heads", self.kv_heads), ("ffn", self.ffn), ("vocab", self.vocab),
+                       ("hidden", self.hidden)):
       if size % axis_size:
         raise ValueError(
             f"{name}={size} must be a multiple of the axis size {axis_size}: each device holds"
-            f" whole heads and an equal share of the FFN. Use {name} divisible by {axis_size}.")
+            f" whole heads and an equal share of the FFN, vocabulary and width. Use {name}"
+            f" divisible by {axis_size}.")
+
+  def layer_params(self) -> int:
+    """Parameters of one layer."""
+    h = self.hidden
+    return (h * (self.q_heads + 2 * self.kv_heads) * self.head_dim
+            + self.q_heads * self.head_dim * h + 3 * h * self.ffn + 2 * h)
 
 
-def init_params(key, config: TransformerConfig, layers: int) -> dict[str, jax.Array]:
-  """Random parameters of `layers` layers, stacked (global, unsharded):
-  w_q [L, H, Hq * Dh], w_k and w_v [L, H, Hkv * Dh], w_o [L, Hq * Dh, H],
-  w_up [L, H, F], w_down [L, F, H] (each scaled by 1 / sqrt(fan-in)),
-  norm_attn and norm_mlp [L, H] (ones)."""
-  c = config
-  shapes = {"w_q": (c.hidden, c.q_heads * c.head_dim), "w_k": (c.hidden, c.kv_heads * c.head_dim),
-            "w_v": (c.hidden, c.kv_heads * c.head_dim), "w_o": (c.q_heads * c.head_dim, c.hidden),
-            "w_up": (c.hidden, c.ffn), "w_down": (c.ffn, c.hidden)}
-  keys = jax.random.split(key, len(shapes))
-  params = {name: (jax.random.normal(k, (layers, *shape), jnp.float32) / math.sqrt(shape[0])
-                   ).astype(c.dtype) for k, (name, shape) in zip(keys, shapes.items())}
-  params.update({name: jnp.ones((layers, c.hidden), c.dtype) for name in _NORMS})
-  return params
+# Named shapes shared by the tests and benchmarks. The vocabulary is Llama 3's
+# 128256 padded to a multiple of 1024 (as Megatron pads it), so that every
+# device's share of the head is a whole number of 128-column tiles at D <= 8.
+MODELS = {
+    "70b": TransformerConfig(hidden=8192, q_heads=64, kv_heads=8, head_dim=128, ffn=28672,
+                             vocab=129024),
+    "8b": TransformerConfig(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
+                            vocab=129024),
+    "tiny": TransformerConfig(hidden=256, q_heads=8, kv_heads=4, head_dim=32, ffn=512,
+                              vocab=512),
+}
 
 
-def param_specs(axis_name: str) -> dict[str, P]:
-  """The PartitionSpec of each stacked parameter over `axis_name`."""
-  return {**{n: P(None, None, axis_name) for n in _COLUMNS},
-          **{n: P(None, axis_name, None) for n in _ROWS},
-          **{n: P() for n in _NORMS}}
+class KVCache(NamedTuple):
+  """The decode state (a pytree).
+
+  k, v: [L, B, S_max, Hkv, Dh], positions sharded over the axis
+    (`cache_specs`); positions >= lengths[b] hold nothing valid.
+  lengths: [B] int32, tokens cached per sequence (replicated).
+  """
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+
+
+def init_params(key, config: TransformerConfig, layers: int) -> dict:
+  """Random parameters (global, unsharded; place them as `param_specs`).
+
+  {"embed": [V, H], "norm_final": [H] (ones), "w_head": [H, V],
+   "layers": {"norm_attn", "norm_mlp": [L, H] (ones),
+              "w_qkv": [L, H, Hkv, G + 2, Dh], "w_o": [L, Hq * Dh, H],
+              "w_gate_up": [L, H, 2, F], "w_down": [L, F, H]}};
+  matrices scaled by 1 / sqrt(fan-in), the embedding N(0, 1).
+  """
+  c, l = config, layers
+  shapes = {"w_qkv": ((l, c.hidden, c.kv_heads, c.group + 2, c.head_dim), c.hidden),
+            "w_o": ((l, c.q_heads * c.head_dim, c.hidden), c.q_heads * c.head_dim),
+            "w_gate_up": ((l, c.hidden, 2, c.ffn), c.hidden),
+            "w_down": ((l, c.ffn, c.hidden), c.ffn)}
+  keys = jax.random.split(key, len(shapes) + 2)
+  normal = lambda k, shape, fan_in: (
+      jax.random.normal(k, shape, _F32) / math.sqrt(fan_in)).astype(c.dtype)
+  stack = {name: normal(k, shape, fan_in) for k, (name, (shape, fan_in)) in zip(keys, shapes.items())}
+  stack.update({name: jnp.ones((l, c.hidden), c.dtype) for name in ("norm_attn", "norm_mlp")})
+  return {"embed": normal(keys[-2], (c.vocab, c.hidden), 1),
+          "norm_final": jnp.ones((c.hidden,), c.dtype),
+          "w_head": normal(keys[-1], (c.hidden, c.vocab), c.hidden),
+          "layers": stack}
+
+
+def param_specs(axis_name: str) -> dict:
+  """The PartitionSpec of each parameter over `axis_name` (init_params' tree).
+
+  The embedding is split over H (a lookup, then an all-to-all to token
+  shards), the head over V (vocabulary-parallel logits)."""
+  return {"embed": P(None, axis_name), "norm_final": P(), "w_head": P(None, axis_name),
+          "layers": {"norm_attn": P(), "norm_mlp": P(),
+                     "w_qkv": P(None, None, axis_name, None, None),
+                     "w_o": P(None, axis_name, None),
+                     "w_gate_up": P(None, None, None, axis_name),
+                     "w_down": P(None, axis_name, None)}}
+
+
+def cache_specs(axis_name: str) -> KVCache:
+  """The PartitionSpecs of a KVCache: positions over the axis."""
+  kv = P(None, None, axis_name, None, None)
+  return KVCache(kv, kv, P())
+
+
+def empty_cache(config: TransformerConfig, layers: int, batch: int, cache_len: int) -> KVCache:
+  """A KVCache of zeros holding no tokens (global; place it as `cache_specs`)."""
+  shape = (layers, batch, cache_len, config.kv_heads, config.head_dim)
+  return KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype),
+                 jnp.zeros((batch,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------
+# Visible choices: the attention implementation, the decode impl, every op.
+
+
+def attention_impl(dtype, override: str | None = None) -> str:
+  """The `implementation` given to `jax.nn.dot_product_attention`.
+
+  "cudnn" on an NVIDIA GPU backend for bf16/fp16 (its fused flash attention:
+  0.48 ms against XLA's 6.07 ms forward at [1, 8192, 16, 128] causal on H100,
+  PLATFORM.md), "xla" elsewhere (CPU, float32). `override` ("cudnn" or
+  "xla") wins; `None` and "xla" would both take the slow XLA path on GPUs,
+  which is why the choice is made here rather than left to the default.
+
+  Raises:
+    ValueError: an unknown override.
+  """
+  if override is not None:
+    if override not in ATTENTION_IMPLS:
+      raise ValueError(f"attention={override!r}: choose one of {ATTENTION_IMPLS} or None.")
+    return override
+  on_gpu = jax.default_backend() == "gpu"
+  return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def decode_impl_for(impl: str, decode_impl: str | None = None) -> str:
+  """The `flash_decode` impl a model with collective `impl` uses: `decode_impl`
+  if given, else `impl` where flash_decode has it, else "xla_bsp" (flash_decode
+  has no "xla_ring": its all-reduce merge is one collective already)."""
+  if decode_impl is not None:
+    return decode_impl
+  return impl if impl in ("auto", "pallas", "xla_bsp") else "xla_bsp"
+
+
+def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = None,
+            seq: int | None = None, impl: str = "auto", decode_impl: str | None = None,
+            decode_batch: int | None = None, cache_len: int | None = None,
+            attention: str | None = None) -> tuple[str, ...]:
+  """What each op of one layer (and the head) would run, without running it.
+
+  The attention implementation; with `batch` and `seq`, the ops of a training
+  or prefill step over batch x seq tokens; with `decode_batch` and
+  `cache_len`, those of a decode step. Returns one line per op: the
+  `dispatch.Choice` (chosen impl, why earlier ones were rejected).
+  """
+  c, d = config, axis_size
+  c.check(d)
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
+  qkv_cols = c.kv_heads // d * (c.group + 2) * c.head_dim
+  lines = [f"attention: jax.nn.dot_product_attention(implementation="
+           f"{attention_impl(c.dtype, attention)!r})"]
+
+  def ops(rows: int, what: str):
+    return [
+        (f"{what} qkv", explain_all_gather_matmul(s(rows // d, c.hidden), s(c.hidden, qkv_cols),
+                                          axis_size=d, impl=impl)),
+        (f"{what} o", explain_matmul_reduce_scatter(s(rows, c.q_heads // d * c.head_dim), s(
+            c.q_heads // d * c.head_dim, c.hidden), axis_size=d, impl=impl)),
+        (f"{what} gate_up", explain_all_gather_matmul(s(rows // d, c.hidden), s(c.hidden, 2 * c.ffn // d),
+                                              axis_size=d, impl=impl)),
+        (f"{what} down", explain_matmul_reduce_scatter(s(rows, c.ffn // d), s(c.ffn // d, c.hidden),
+                                            axis_size=d, impl=impl)),
+        (f"{what} head", explain_all_gather_matmul(s(rows // d, c.hidden), s(c.hidden, c.vocab // d),
+                                           axis_size=d, impl=impl))]
+
+  choices = ops(batch * seq, "step") if batch is not None and seq is not None else []
+  if decode_batch is not None and cache_len is not None:
+    choices += ops(decode_batch, "decode")
+    choices.append(("decode attention", explain_flash_decode(
+        s(decode_batch, c.q_heads, c.head_dim), s(decode_batch, cache_len // d, c.kv_heads,
+                                                   c.head_dim),
+        s(decode_batch, cache_len // d, c.kv_heads, c.head_dim),
+        jax.ShapeDtypeStruct((decode_batch,), jnp.int32), axis_size=d,
+        impl=decode_impl_for(impl, decode_impl))))
+  return tuple(lines + [f"{what}: {choice}" for what, choice in choices])
+
+
+# ----------------------------------------------------------------------------
+# Layer math, per shard (inside shard_map, axis bound).
 
 
 def _rms_norm(x, scale, eps):
-  x32 = x.astype(jnp.float32)
+  x32 = x.astype(_F32)
   x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+  return (x32 * scale.astype(_F32)).astype(x.dtype)
 
 
-def _mlp(x, p, *, config, axis_name, impl):
-  """x + the MLP of rms_norm(x), per shard: x [T / D, H] -> [T / D, H]."""
-  up = all_gather_matmul(_rms_norm(x, p["norm_mlp"], config.eps), p["w_up"],
-                         axis_name=axis_name, impl=impl)
-  act = jax.nn.gelu(up.astype(jnp.float32)).astype(x.dtype)
-  return x + matmul_reduce_scatter(act, p["w_down"], axis_name=axis_name, impl=impl)
+def _rope(x, positions, theta):
+  """Rotary embeddings, "rotate half" form: x [..., heads, Dh] at positions
+  broadcastable to x.shape[:-2]; computed in float32."""
+  dh = x.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, dh, 2, dtype=_F32) / dh)
+  angles = positions.astype(_F32)[..., None, None] * inv_freq  # [..., 1, Dh / 2]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x1, x2 = jnp.split(x.astype(_F32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _project_qkv(x, p, *, config, axis_name, impl):
-  """This device's heads of q, k, v for the gathered tokens: x [T / D, H] ->
-  q [T, Hq / D, Dh], k and v [T, Hkv / D, Dh]. One gather: k and v are local
-  products of the gathered rows that q's fused op returns."""
-  n = _rms_norm(x, p["norm_attn"], config.eps)
-  q, gathered = all_gather_matmul(n, p["w_q"], axis_name=axis_name, impl=impl,
-                                  return_gathered=True)
-  heads = lambda a: a.reshape(a.shape[0], -1, config.head_dim)
-  return heads(q), heads(gathered @ p["w_k"]), heads(gathered @ p["w_v"])
+@dataclasses.dataclass(frozen=True)
+class _Ops:
+  """What every per-shard function needs: shapes, the axis, the choices."""
+  config: TransformerConfig
+  axis_name: str
+  impl: str
+  decode_impl: str
+  attention: str
+
+  def ag(self, x, w):
+    return all_gather_matmul(x, w, axis_name=self.axis_name, impl=self.impl)
+
+  def mrs(self, x, w):
+    return matmul_reduce_scatter(x, w, axis_name=self.axis_name, impl=self.impl)
 
 
-def _causal_attention(q, k, v, batch: int, d: int):
-  """Causal GQA attention in float32 of this device's heads over the tokens
-  gathered from the D devices, rows in (device, sequence, position on the
-  device) order: q [T, hq, Dh], k, v [T, hkv, Dh] -> [T, hq * Dh], same order."""
-  t, hq, dh = q.shape
-  hkv = k.shape[1]
-
-  def by_sequence(a):  # [T, heads, Dh] -> [B, S, heads, Dh]
-    a = a.reshape(d, batch, t // (d * batch), *a.shape[1:]).swapaxes(0, 1)
-    return a.reshape(batch, t // batch, *a.shape[3:]).astype(jnp.float32)
-
-  q = by_sequence(q).reshape(batch, t // batch, hkv, hq // hkv, dh)
-  scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, by_sequence(k)) / math.sqrt(dh)
-  s = scores.shape[-1]
-  scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", jax.nn.softmax(scores, axis=-1), by_sequence(v))
-  out = out.reshape(batch, d, t // (d * batch), hq * dh).swapaxes(0, 1)
-  return out.reshape(t, hq * dh)
+def _embed(tokens, table, axis_name):
+  """tokens [N] (the same on every device) -> this device's rows [N / D, H]:
+  a lookup in this device's H / D columns of the table, then an all-to-all
+  from column shards to row shards."""
+  return lax.all_to_all(jnp.take(table, tokens, axis=0), axis_name, 0, 1, tiled=True)
 
 
-def forward(params, x, *, config: TransformerConfig, axis_name: str, mesh=None,
-            impl: str = "auto"):
-  """The layers over a batch of whole sequences (training or prefill).
+def _qkv(x, p, ops: _Ops, positions):
+  """This device's heads for the gathered rows, rotated: x [N / D, H] ->
+  q [N, Hq / D, Dh], k and v [N, Hkv / D, Dh]; positions [N] (or broadcastable)."""
+  c = ops.config
+  w = p["w_qkv"]  # [H, Hkv / D, G + 2, Dh]
+  qkv = ops.ag(_rms_norm(x, p["norm_attn"], c.eps), w.reshape(w.shape[0], -1))
+  qkv = qkv.reshape(qkv.shape[0], w.shape[1], c.group + 2, c.head_dim)
+  q = qkv[:, :, :c.group].reshape(qkv.shape[0], -1, c.head_dim)
+  k, v = qkv[:, :, c.group], qkv[:, :, c.group + 1]
+  return _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta), v
 
-  Args:
-    params: `init_params`' pytree, placed (or to be placed) as `param_specs`.
-    x: [B, S, H] activations, sharded (or to be) along the sequence over the
-      axis (sequence parallelism): S must be a multiple of D.
-    config: the layer shapes.
-    axis_name: the mesh axis of size D to run over.
-    mesh: the mesh, else the one set by `jax.set_mesh`.
-    impl: passed to every op ("auto", "pallas", "xla_bsp", "xla_ring").
 
-  Returns:
-    [B, S, H], sharded along the sequence over the axis.
-  """
-  mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
-  d = mesh.shape[axis_name]
-  config.check(d)
-  b, s, h = x.shape
-  if s % d:
-    raise ValueError(f"x: the sequence length S = {s} must be a multiple of the axis size {d}"
-                     " (it is sharded over the axis).")
-  ops = dict(config=config, axis_name=axis_name, impl=impl)
+def _mlp(x, p, ops: _Ops):
+  """x + SwiGLU(rms_norm(x)), per shard: x [N / D, H] -> [N / D, H]."""
+  c = ops.config
+  w = p["w_gate_up"]  # [H, 2, F / D]: this device's gate columns, then its up columns
+  gate_up = ops.ag(_rms_norm(x, p["norm_mlp"], c.eps), w.reshape(w.shape[0], -1))
+  gate, up = jnp.split(gate_up.astype(_F32), 2, axis=-1)
+  return x + ops.mrs((jax.nn.silu(gate) * up).astype(x.dtype), p["w_down"])
+
+
+def _layers(params, tokens, ops: _Ops, *, keep_kv: bool):
+  """The embedding and the layers over whole sequences, per shard.
+
+  tokens [B, S] (every device) -> (x [B * S / D, H], this device's rows;
+  with keep_kv, (k, v) [L, B, S, Hkv / D, Dh] of this device's heads, else None)."""
+  b, s = tokens.shape
+  positions = jnp.tile(jnp.arange(s), b)  # of the gathered rows, (sequence, position) order
 
   def layer(x, p):
-    q, k, v = _project_qkv(x, p, **ops)
-    o = _causal_attention(q, k, v, b, d).astype(x.dtype)
-    x = x + matmul_reduce_scatter(o, p["w_o"], axis_name=axis_name, impl=impl)
-    return _mlp(x, p, **ops), None
+    q, k, v = _qkv(x, p, ops, positions)
+    by_seq = lambda a: a.reshape(b, s, *a.shape[1:])
+    o = jax.nn.dot_product_attention(by_seq(q), by_seq(k), by_seq(v), is_causal=True,
+                                     implementation=ops.attention)
+    x = x + ops.mrs(o.reshape(b * s, -1), p["w_o"])
+    return _mlp(x, p, ops), ((by_seq(k), by_seq(v)) if keep_kv else None)
 
-  def body(params, x):  # x [B, S / D, H]: this device's positions
-    return lax.scan(layer, x.reshape(-1, h), params)[0].reshape(x.shape)
-
-  spec = P(None, axis_name, None)
-  return sharded.shard_map_args(body, mesh, (param_specs(axis_name), spec), spec, params, x)
+  x = _embed(tokens.reshape(-1), params["embed"], ops.axis_name)
+  return lax.scan(layer, x, params["layers"])
 
 
-def decode_step(params, x, cache_k, cache_v, lengths, *, config: TransformerConfig,
-                axis_name: str, mesh=None, impl: str = "auto"):
-  """One new token per sequence through the layers, with a KV cache sharded
-  along the sequence.
+def _cross_entropy(logits, labels, axis_name):
+  """Mean over rows of -log softmax(logits)[label], with the vocabulary sharded:
+  logits [N, V / D] (this device's columns), labels [N] (every device)."""
+  logits = logits.astype(_F32)
+  m = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis_name)
+  total = lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1), axis_name)
+  local = labels - lax.axis_index(axis_name) * logits.shape[1]
+  mine = (local >= 0) & (local < logits.shape[1])
+  picked = jnp.take_along_axis(logits, jnp.clip(local, 0, logits.shape[1] - 1)[:, None], axis=1)
+  target = lax.psum(jnp.where(mine, picked[:, 0], 0.0), axis_name)
+  return jnp.mean(jnp.log(total) + m - target)
 
-  Args:
-    params: as for `forward`.
-    x: [B, H], the new tokens' activations; B must be a multiple of D.
-    cache_k, cache_v: [L, B, S_max, Hkv, Dh], positions sharded over the axis
-      (S_max a multiple of D); positions >= lengths[b] are ignored.
-    lengths: [B] int32, the tokens already cached per sequence (< S_max).
-    config, axis_name, mesh, impl: as for `forward`.
 
-  Returns:
-    (y [B, H], cache_k, cache_v with the new tokens' keys and values at
-    position lengths[b], written by the device that holds that position).
-  """
+# ----------------------------------------------------------------------------
+# Entry points (global view).
+
+
+def _setup(config, axis_name, mesh, impl, decode_impl, attention):
   mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
   d = mesh.shape[axis_name]
   config.check(d)
-  if x.shape[0] % d or cache_k.shape[2] % d:
-    raise ValueError(f"x: B = {x.shape[0]} and the cache's S_max = {cache_k.shape[2]} must be"
-                     f" multiples of the axis size {d}.")
-  ops = dict(config=config, axis_name=axis_name, impl=impl)
-  everywhere = functools.partial(lax.all_gather, axis_name=axis_name, axis=1, tiled=True)
+  ops = _Ops(config, axis_name, impl, decode_impl_for(impl, decode_impl),
+             attention_impl(config.dtype, attention))
+  logger.debug("transformer: impl=%r, decode impl %r, attention %r", impl, ops.decode_impl,
+               ops.attention)
+  return mesh, d, ops
 
-  def per_shard(params, x, cache_k, cache_v, lengths):
-    def layer(x, args):
-      p, k_cache, v_cache = args
-      q, k_new, v_new = _project_qkv(x, p, **ops)
-      # The cache holds every head of its positions: the new token's keys and
-      # values go where this device holds its position (elsewhere dropped).
-      s_shard = k_cache.shape[1]
-      slot = lengths - lax.axis_index(axis_name) * s_shard
-      slot = jnp.where((slot >= 0) & (slot < s_shard), slot, s_shard)
-      batch = jnp.arange(lengths.shape[0])
-      k_cache = k_cache.at[batch, slot].set(everywhere(k_new), mode="drop")
-      v_cache = v_cache.at[batch, slot].set(everywhere(v_new), mode="drop")
-      o = flash_decode(everywhere(q), k_cache, v_cache, axis_name=axis_name,
-                       kv_lens=lengths + 1, impl=impl)
-      # This device's heads of the (replicated) output, through its rows of w_o.
-      mine = lax.dynamic_slice_in_dim(o, lax.axis_index(axis_name) * q.shape[1], q.shape[1], 1)
-      x = x + matmul_reduce_scatter(mine.reshape(o.shape[0], -1), p["w_o"],
-                                    axis_name=axis_name, impl=impl)
-      return _mlp(x, p, **ops), (k_cache, v_cache)
 
-    return lax.scan(layer, x, (params, cache_k, cache_v))
+def _check_tokens(tokens, d, what="tokens"):
+  if tokens.ndim != 2 or (tokens.shape[0] * tokens.shape[1]) % d:
+    raise ValueError(
+        f"{what}: expected [B, S] with B * S a multiple of the axis size {d} (the tokens are"
+        f" split over the axis), got shape {tuple(tokens.shape)}.")
 
-  cache_spec = P(None, None, axis_name, None, None)
-  y, (cache_k, cache_v) = sharded.shard_map_args(
-      per_shard, mesh, (param_specs(axis_name), P(axis_name, None), cache_spec, cache_spec, P()),
-      (P(axis_name, None), (cache_spec, cache_spec)), params, x, cache_k, cache_v, lengths)
-  return y, cache_k, cache_v
+
+def loss(params, tokens, labels, *, config: TransformerConfig, axis_name: str, mesh=None,
+         impl: str = "auto", attention: str | None = None):
+  """Mean next-token cross-entropy over a batch of whole sequences.
+
+  Args:
+    params: `init_params`' tree, placed (or to be placed) as `param_specs`.
+    tokens: [B, S] int32, replicated; B * S must be a multiple of D.
+    labels: [B, S] int32 targets, replicated.
+    config: the model's shapes.
+    axis_name: the mesh axis of size D to run over.
+    mesh: the mesh, else the one set by `jax.set_mesh`.
+    impl: every collective op's impl: "auto", "pallas", "xla_bsp", "xla_ring".
+    attention: override of `attention_impl` ("cudnn", "xla").
+
+  Returns:
+    A float32 scalar. Differentiable: gradients run through the ops' VJPs.
+  """
+  mesh, d, ops = _setup(config, axis_name, mesh, impl, None, attention)
+  _check_tokens(tokens, d)
+
+  def body(params, tokens, labels):
+    x, _ = _layers(params, tokens, ops, keep_kv=False)
+    logits = ops.ag(_rms_norm(x, params["norm_final"], config.eps), params["w_head"])
+    return _cross_entropy(logits, labels.reshape(-1), axis_name)
+
+  return sharded.shard_map_args(body, mesh, (param_specs(axis_name), P(), P()), P(),
+                                params, tokens, labels)
+
+
+def loss_and_grads(params, tokens, labels, **kwargs):
+  """(loss, gradients of loss w.r.t. params, sharded as params); see `loss`."""
+  return jax.value_and_grad(functools.partial(loss, **kwargs))(params, tokens, labels)
+
+
+def train_step(params, tokens, labels, *, learning_rate: float, **kwargs):
+  """One SGD step: (params - learning_rate * gradients, loss); see `loss`."""
+  value, grads = loss_and_grads(params, tokens, labels, **kwargs)
+  update = lambda p, g: (p.astype(_F32) - learning_rate * g.astype(_F32)).astype(p.dtype)
+  return jax.tree.map(update, params, grads), value
+
+
+def prefill(params, tokens, lengths=None, *, cache_len: int, config: TransformerConfig,
+            axis_name: str, mesh=None, impl: str = "auto", attention: str | None = None):
+  """Runs prompts through the model, fills a KV cache, returns the logits of
+  each prompt's last token.
+
+  Args:
+    params: as for `loss`.
+    tokens: [B, S] int32 prompts, right-padded (replicated); B * S a multiple of D.
+    lengths: [B] int32 prompt lengths in [1, S] (None: all S); padding after a
+      prompt's end does not change its logits (causal attention).
+    cache_len: S_max >= S, the cache's positions; a multiple of D.
+    config, axis_name, mesh, impl, attention: as for `loss`.
+
+  Returns:
+    (logits [B, V] float32 of position lengths[b] - 1, vocabulary sharded
+    over the axis; a KVCache of S_max positions holding the prompts, with
+    `lengths`).
+  """
+  mesh, d, ops = _setup(config, axis_name, mesh, impl, None, attention)
+  _check_tokens(tokens, d)
+  b, s = tokens.shape
+  if cache_len < s or cache_len % d:
+    raise ValueError(f"cache_len={cache_len} must be >= the prompt length S = {s} and a"
+                     f" multiple of the axis size {d}.")
+  if lengths is None:
+    lengths = jnp.full((b,), s, jnp.int32)
+  s_shard = cache_len // d
+
+  def body(params, tokens, lengths):
+    x, (k, v) = _layers(params, tokens, ops, keep_kv=True)
+    me = lax.axis_index(axis_name)
+
+    def my_positions(a):  # [L, B, S, Hkv / D, Dh] -> [L, B, S_max / D, Hkv, Dh]
+      a = lax.all_gather(a, axis_name, axis=3, tiled=True)
+      a = jnp.pad(a, ((0, 0), (0, 0), (0, cache_len - s), (0, 0), (0, 0)))
+      return lax.dynamic_slice_in_dim(a, me * s_shard, s_shard, axis=2)
+
+    # Each prompt's last row: found on the device holding it, summed from there.
+    rows = x.shape[0]
+    local = jnp.arange(b) * s + lengths - 1 - me * rows
+    mine = (local >= 0) & (local < rows)
+    last = jnp.where(mine[:, None], x[jnp.clip(local, 0, rows - 1)], 0)
+    last = lax.psum(last.astype(_F32), axis_name).astype(x.dtype)
+    logits = jnp.dot(_rms_norm(last, params["norm_final"], config.eps), params["w_head"],
+                     preferred_element_type=_F32)
+    return logits, my_positions(k), my_positions(v)
+
+  kv = cache_specs(axis_name).k
+  logits, k, v = sharded.shard_map_args(
+      body, mesh, (param_specs(axis_name), P(), P()), (P(None, axis_name), kv, kv),
+      params, tokens, lengths.astype(jnp.int32))
+  return logits, KVCache(k, v, lengths.astype(jnp.int32))
+
+
+def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, axis_name: str,
+                mesh=None, impl: str = "auto", decode_impl: str | None = None):
+  """One new token per sequence through the model and the KV cache.
+
+  Args:
+    params: as for `loss`.
+    tokens: [B] int32, each sequence's next token (replicated); B a multiple of D.
+    cache: a KVCache (`prefill`'s, or `empty_cache`), sharded as `cache_specs`;
+      every length must be < S_max.
+    config, axis_name, mesh, impl: as for `loss`.
+    decode_impl: `flash_decode`'s impl; None: `decode_impl_for(impl)`.
+
+  Returns:
+    (logits [B, V] float32, vocabulary sharded over the axis; the cache with
+    the new tokens' keys and values at position lengths[b], written by the
+    device holding that position, and lengths + 1). Jit it with the cache
+    donated, or every step copies the cache.
+  """
+  mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
+  b = tokens.shape[0]
+  if tokens.ndim != 1 or b % d or cache.k.shape[2] % d:
+    raise ValueError(f"tokens: expected [B] with B a multiple of the axis size {d}, and the"
+                     f" cache's S_max = {cache.k.shape[2]} a multiple of {d}; got tokens"
+                     f" {tuple(tokens.shape)}.")
+  c = config
+
+  def body(params, tokens, k_cache, v_cache, lengths):
+    me = lax.axis_index(axis_name)
+    s_shard = k_cache.shape[2]
+    # Where the new token goes on this device (S_shard: not here, dropped).
+    slot = lengths - me * s_shard
+    slot = jnp.where((slot >= 0) & (slot < s_shard), slot, s_shard)
+    batch = jnp.arange(b)
+    everywhere = lambda a: lax.all_gather(a, axis_name, axis=1, tiled=True)
+
+    def layer(carry, args):
+      x, k_cache, v_cache = carry
+      p, l = args
+      q, k, v = _qkv(x, p, ops, lengths)
+      # The cache holds every head of its positions (in place: the carry).
+      k_cache = k_cache.at[l, batch, slot].set(everywhere(k), mode="drop")
+      v_cache = v_cache.at[l, batch, slot].set(everywhere(v), mode="drop")
+      o = flash_decode(everywhere(q), k_cache[l], v_cache[l], axis_name=axis_name,
+                       kv_lens=lengths + 1, impl=ops.decode_impl)
+      mine = lax.dynamic_slice_in_dim(o, me * q.shape[1], q.shape[1], 1)  # this device's heads
+      x = x + ops.mrs(mine.reshape(b, -1), p["w_o"])
+      return (_mlp(x, p, ops), k_cache, v_cache), None
+
+    x = _embed(tokens, params["embed"], axis_name)
+    layers = params["layers"]["w_o"].shape[0]
+    (x, k_cache, v_cache), _ = lax.scan(layer, (x, k_cache, v_cache),
+                                        (params["layers"], jnp.arange(layers)))
+    logits = ops.ag(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
+    return logits.astype(_F32), k_cache, v_cache
+
+  specs = cache_specs(axis_name)
+  logits, k, v = sharded.shard_map_args(
+      body, mesh, (param_specs(axis_name), P(), specs.k, specs.v, P()),
+      (P(None, axis_name), specs.k, specs.v), params, tokens, cache.k, cache.v, cache.lengths)
+  return logits, KVCache(k, v, cache.lengths + 1)
+
+
+class Jitted(NamedTuple):
+  """The model's jitted entry points (`jitted`)."""
+  train_step: Callable
+  prefill: Callable
+  decode_step: Callable
+
+
+def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = "auto",
+           decode_impl: str | None = None, attention: str | None = None,
+           learning_rate: float = 1e-3, cache_len: int | None = None,
+           donate: bool = True) -> Jitted:
+  """`train_step(params, tokens, labels)`, `prefill(params, tokens, lengths)`
+  and `decode_step(params, tokens, cache)`, jitted with these settings.
+
+  With `donate`, train_step donates params and decode_step the cache (updated
+  in place); prefill needs `cache_len`.
+  """
+  common = dict(config=config, axis_name=axis_name, mesh=mesh, impl=impl)
+  train = jax.jit(functools.partial(train_step, learning_rate=learning_rate,
+                                    attention=attention, **common),
+                  donate_argnums=(0,) if donate else ())
+  pre = jax.jit(functools.partial(prefill, cache_len=cache_len, attention=attention, **common))
+  dec = jax.jit(functools.partial(decode_step, decode_impl=decode_impl, **common),
+                donate_argnums=(2,) if donate else ())
+  return Jitted(train, pre, dec)

@@ -1,6 +1,23 @@
-"""jax_overlap.transformer on CPU devices: its layers against a float64
-reference, and decode steps against the forward pass they must reproduce."""
+"""jax_overlap.transformer on CPU devices against the same model written
+plainly for one device.
 
+The reference (`_Reference` below) shares nothing with the sharded model but
+the parameter tree: no shard_map, no ops, its own attention (explicit scores,
+mask and softmax per query head), its own rotary form (complex rotation) and
+its own loss (log_softmax). It runs in float32 on one device, as does the
+model under test, so the two differ only by float32 summation order.
+
+Tolerances (float32; every element; relative to the largest magnitude of the
+expected array): logits and gradients 2e-4, the loss 1e-5. Measured errors are
+~1e-6. Mutations checked by hand, each failing with errors of 0.09-2 (about
+1e3-1e5 times the bound): rotary positions of the device-local rows instead of
+the gathered ones, gate and up swapped, a decode token rotated at length + 1,
+a decode step that does not attend to its own token. (A rotary offset that is
+the same for every position is invisible to training and prefill, which see
+relative positions only; the decode steps catch it.)
+"""
+
+import dataclasses
 import functools
 
 import jax
@@ -10,115 +27,240 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import transformer
-import reference
 import testkit
 from testkit import AXIS
 
 LAYERS = 2
-# H 64, 8 query heads in groups of 2 (GQA), Dh 16, F 128: whole heads and
-# FFN columns per device at D = 1, 2 and 4.
-CONFIG = transformer.TransformerConfig(hidden=64, q_heads=8, kv_heads=4, head_dim=16, ffn=128,
-                                       dtype=jnp.float32)
+# H 32, 8 query heads in 4 groups of 2 (GQA), Dh 8, F 64, V 64: whole heads,
+# FFN and vocabulary shares per device at D = 1, 2 and 4.
+CONFIG = transformer.TransformerConfig(hidden=32, q_heads=8, kv_heads=4, head_dim=8, ffn=64,
+                                       vocab=64, dtype=jnp.float32, rope_theta=10000.0)
+IMPLS = ("auto", "xla_bsp", "xla_ring")
+RTOL = 2e-4
+LOSS_RTOL = 1e-5
 
 
-def _setup(d, config, batch, seq, *key):
-  """(mesh, params placed as param_specs, host params, x [B, S, H] host)."""
+class _Reference:
+  """The model in plain jax.numpy on one device (global arrays)."""
+
+  def __init__(self, params, config):
+    self.p = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float32), params)
+    self.c = config
+
+  def _norm(self, x, scale):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.c.eps) * scale
+
+  def _rotate(self, x, positions):
+    """x [B, S, heads, Dh] at positions [B, S]: pairs (i, i + Dh/2) as complex numbers."""
+    half = x.shape[-1] // 2
+    freq = self.c.rope_theta ** (-2.0 * jnp.arange(half) / x.shape[-1])
+    turn = jnp.exp(1j * positions[:, :, None, None] * freq)
+    z = (x[..., :half] + 1j * x[..., half:]) * turn
+    return jnp.concatenate([z.real, z.imag], axis=-1).astype(jnp.float32)
+
+  def logits(self, tokens, params=None):
+    """tokens [B, S] -> logits [B, S, V], causal over each whole sequence."""
+    p, c = params or self.p, self.c
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s)).astype(jnp.float32)
+    x = p["embed"][tokens]
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    for l in range(p["layers"]["w_o"].shape[0]):
+      lp = {name: a[l] for name, a in p["layers"].items()}
+      n = self._norm(x, lp["norm_attn"])
+      w = lp["w_qkv"]  # [H, Hkv, G + 2, Dh]
+      q = jnp.einsum("bsh,hkgd->bskgd", n, w[:, :, :c.group]).reshape(b, s, c.q_heads, -1)
+      k = jnp.einsum("bsh,hkd->bskd", n, w[:, :, c.group])
+      v = jnp.einsum("bsh,hkd->bskd", n, w[:, :, c.group + 1])
+      q, k = self._rotate(q, positions), self._rotate(k, positions)
+      heads = []
+      for h in range(c.q_heads):
+        kv = h // c.group
+        scores = jnp.einsum("bqd,bkd->bqk", q[:, :, h], k[:, :, kv]) / np.sqrt(c.head_dim)
+        weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+        heads.append(jnp.einsum("bqk,bkd->bqd", weights, v[:, :, kv]))
+      x = x + jnp.concatenate(heads, axis=-1) @ lp["w_o"]
+      n = self._norm(x, lp["norm_mlp"])
+      gate = n @ lp["w_gate_up"][:, 0]
+      up = n @ lp["w_gate_up"][:, 1]
+      x = x + (gate * jax.nn.sigmoid(gate) * up) @ lp["w_down"]
+    return self._norm(x, p["norm_final"]) @ p["w_head"]
+
+  def loss(self, params, tokens, labels):
+    logp = jax.nn.log_softmax(self.logits(tokens, params), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+  def loss_and_grads(self, tokens, labels):
+    return jax.value_and_grad(self.loss)(self.p, tokens, labels)
+
+
+def _close(actual, expected, what, rtol=RTOL):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  scale = max(np.abs(expected).max(), 1e-30)
+  err = np.abs(actual - expected).max()
+  assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:g} x scale {scale:.3g}"
+
+
+def _setup(d, *key, config=CONFIG):
+  """(mesh, params placed as param_specs, the reference, a generator)."""
   mesh = testkit.mesh_1d(d)
   gen = testkit.rng(*key)
   params = transformer.init_params(jax.random.key(gen.integers(2**31)), config, LAYERS)
-  host = {name: np.asarray(a) for name, a in params.items()}
-  specs = transformer.param_specs(AXIS)
-  placed = {name: testkit.put(mesh, a, specs[name]) for name, a in host.items()}
-  x = testkit.normal(gen, (batch, seq, config.hidden), config.dtype)
-  return mesh, placed, host, x
+  # Norm scales away from 1, so a missing or misplaced scale shows.
+  for name in ("norm_attn", "norm_mlp"):
+    params["layers"][name] = jnp.asarray(
+        1 + 0.5 * gen.standard_normal((LAYERS, config.hidden)), config.dtype)
+  params["norm_final"] = jnp.asarray(1 + 0.5 * gen.standard_normal(config.hidden), config.dtype)
+  ref = _Reference(params, config)
+  placed = jax.tree.map(lambda a, s: testkit.put(mesh, np.asarray(a), s), params,
+                        transformer.param_specs(AXIS))
+  return mesh, placed, ref, gen
 
 
-def _reference(host, x, config):
-  return reference.transformer(host, x, q_heads=config.q_heads, kv_heads=config.kv_heads,
-                               eps=config.eps)
-
-
-@pytest.mark.parametrize("impl", ["xla_bsp", "xla_ring", "auto"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d", [1, 2, 4])
-def test_forward_matches_reference(d, impl):
-  mesh, params, host, x = _setup(d, CONFIG, 2, 8, "forward", d, impl)
+def test_loss_and_gradients_match_the_reference(d, impl):
+  batch, seq = 2, 8
+  mesh, params, ref, gen = _setup(d, "train", d, impl)
+  tokens = gen.integers(0, CONFIG.vocab, (batch, seq)).astype(np.int32)
+  labels = gen.integers(0, CONFIG.vocab, (batch, seq)).astype(np.int32)
   with jax.set_mesh(mesh):
-    f = jax.jit(functools.partial(transformer.forward, config=CONFIG, axis_name=AXIS, impl=impl))
-    out = f(params, testkit.put(mesh, x, P(None, AXIS, None)))
-  assert out.shape == x.shape and out.dtype == CONFIG.dtype
-  reference.assert_close(out, _reference(host, x, CONFIG), jnp.float32)
+    f = jax.jit(functools.partial(transformer.loss_and_grads, config=CONFIG, axis_name=AXIS,
+                                  impl=impl))
+    loss, grads = f(params, testkit.put(mesh, tokens, P()), testkit.put(mesh, labels, P()))
+  want_loss, want_grads = ref.loss_and_grads(tokens, labels)
+  _close(loss, want_loss, "loss", LOSS_RTOL)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    want = functools.reduce(lambda t, k: t[k.key], path, want_grads)
+    _close(g, want, f"gradient {jax.tree_util.keystr(path)}")
+  assert grads["layers"]["w_qkv"].sharding.spec == params["layers"]["w_qkv"].sharding.spec
 
 
-def test_forward_in_bfloat16():
-  config = transformer.TransformerConfig(64, 8, 4, 16, 128, dtype=jnp.bfloat16)
-  mesh, params, host, x = _setup(2, config, 2, 8, "bf16")
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_prefill_and_decode_steps_match_the_reference(d, impl):
+  """Prompts of ragged lengths (3, 8, 5, 1 of 8, right-padded), then three
+  decode steps: every step's logits against the reference's at that
+  position. The cache holds 16 positions over D devices, so prompts and new
+  tokens cross shard boundaries; the padding's keys and values stay in the
+  cache and must be masked by the lengths."""
+  batch, seq, steps, cache_len = 4, 8, 3, 16
+  mesh, params, ref, gen = _setup(d, "decode", d, impl)
+  lengths = np.array([3, 8, 5, 1], np.int32)
+  text = gen.integers(0, CONFIG.vocab, (batch, seq + steps)).astype(np.int32)
+  prompts = np.where(np.arange(seq) < lengths[:, None], text[:, :seq], 0)
+  # Sequence b reads text[b, :lengths[b]], then its decode tokens.
+  full = np.stack([np.concatenate([text[b, :lengths[b]], text[b, seq:seq + steps],
+                                   np.zeros(seq - lengths[b], np.int32)]) for b in range(batch)])
+  want = np.asarray(ref.logits(full))
+  common = dict(config=CONFIG, axis_name=AXIS, impl=impl)
   with jax.set_mesh(mesh):
-    out = jax.jit(functools.partial(transformer.forward, config=config, axis_name=AXIS))(
-        params, testkit.put(mesh, x, P(None, AXIS, None)))
-  reference.assert_close(out, _reference(host, x, config), jnp.bfloat16)
+    prefill = jax.jit(functools.partial(transformer.prefill, cache_len=cache_len, **common))
+    step = jax.jit(functools.partial(transformer.decode_step, **common), donate_argnums=2)
+    logits, cache = prefill(params, testkit.put(mesh, prompts, P()),
+                            testkit.put(mesh, lengths, P()))
+    assert cache.k.shape == (LAYERS, batch, cache_len, CONFIG.kv_heads, CONFIG.head_dim)
+    _close(logits, want[np.arange(batch), lengths - 1], "prefill logits")
+    for t in range(steps):
+      logits, cache = step(params, testkit.put(mesh, text[:, seq + t], P()), cache)
+      _close(logits, want[np.arange(batch), lengths + t], f"decode step {t} logits")
+    np.testing.assert_array_equal(cache.lengths, lengths + steps)
 
 
-@pytest.mark.parametrize("d", [2, 4])
-def test_decode_steps_reproduce_the_forward_pass(d):
-  """Token by token from an empty cache, every sequence at position t in
-  step t: the step's output equals the forward pass's at position t. The cache
-  starts filled with garbage, which the lengths must mask; its positions are
-  sharded, so each step writes on one device and attends across all."""
-  batch, seq = 4, 8
-  mesh, params, host, x = _setup(d, CONFIG, batch, seq, "decode", d)
-  want = _reference(host, x, CONFIG)
-  shape = (LAYERS, batch, seq, CONFIG.kv_heads, CONFIG.head_dim)
-  garbage = testkit.normal(testkit.rng("garbage", d), shape, CONFIG.dtype) * 100
-  cache_spec = P(None, None, AXIS, None, None)
-  step = jax.jit(functools.partial(transformer.decode_step, config=CONFIG, axis_name=AXIS))
+def test_decode_from_an_empty_cache_matches_the_reference():
+  """Token by token from `empty_cache` filled with garbage (the lengths must
+  mask it): step t's logits equal the reference's at position t."""
+  d, batch, seq = 2, 2, 6
+  mesh, params, ref, gen = _setup(d, "empty")
+  text = gen.integers(0, CONFIG.vocab, (batch, seq)).astype(np.int32)
+  want = np.asarray(ref.logits(text))
+  empty = transformer.empty_cache(CONFIG, LAYERS, batch, 8)
+  garbage = 100 * gen.standard_normal(empty.k.shape).astype(np.float32)
+  specs = transformer.cache_specs(AXIS)
   with jax.set_mesh(mesh):
-    cache_k = testkit.put(mesh, garbage, cache_spec)
-    cache_v = testkit.put(mesh, -garbage, cache_spec)
+    cache = transformer.KVCache(*(testkit.put(mesh, a, s) for a, s in
+                                  zip((garbage, -garbage, empty.lengths), specs)))
+    step = jax.jit(functools.partial(transformer.decode_step, config=CONFIG, axis_name=AXIS))
     for t in range(seq):
-      lengths = testkit.put(mesh, np.full((batch,), t, np.int32), P())
-      y, cache_k, cache_v = step(params, testkit.put(mesh, x[:, t], P()), cache_k, cache_v,
-                                 lengths)
-      reference.assert_close(y, want[:, t], jnp.float32, what=f"step {t}")
+      logits, cache = step(params, testkit.put(mesh, text[:, t], P()), cache)
+      _close(logits, want[:, t], f"step {t}")
 
 
-def test_decode_with_ragged_lengths():
-  """Sequences at different lengths in every step: each runs from position 0
-  to its own end, then idles there (rewriting its last token), so a step
-  mixes lengths 0-7 and each sequence attends to its own prefix only."""
-  d, batch, seq = 2, 4, 8
-  mesh, params, host, x = _setup(d, CONFIG, batch, seq, "ragged")
-  want = _reference(host, x, CONFIG)
-  shape = (LAYERS, batch, seq, CONFIG.kv_heads, CONFIG.head_dim)
-  cache_spec = P(None, None, AXIS, None, None)
-  step = jax.jit(functools.partial(transformer.decode_step, config=CONFIG, axis_name=AXIS))
-  ends = np.array([3, 7, 5, 1])
+def test_train_step_is_an_sgd_step():
+  mesh, params, ref, gen = _setup(2, "sgd")
+  tokens = gen.integers(0, CONFIG.vocab, (2, 8)).astype(np.int32)
+  labels = np.roll(tokens, -1, axis=1)
+  lr = 0.5
   with jax.set_mesh(mesh):
-    cache_k = testkit.put(mesh, np.zeros(shape, np.float32), cache_spec)
-    cache_v = testkit.put(mesh, np.zeros(shape, np.float32), cache_spec)
-    for i in range(seq):
-      pos = np.minimum(i, ends)
-      tokens = testkit.put(mesh, x[np.arange(batch), pos], P())
-      y, cache_k, cache_v = step(params, tokens, cache_k, cache_v,
-                                 testkit.put(mesh, pos.astype(np.int32), P()))
-      reference.assert_close(y, want[np.arange(batch), pos], jnp.float32, what=f"step {i}")
+    step = transformer.jitted(CONFIG, axis_name=AXIS, learning_rate=lr, donate=False).train_step
+    new, loss = step(params, testkit.put(mesh, tokens, P()), testkit.put(mesh, labels, P()))
+  want_loss, grads = ref.loss_and_grads(tokens, labels)
+  _close(loss, want_loss, "loss", LOSS_RTOL)
+  want = jax.tree.map(lambda p, g: np.asarray(p) - lr * np.asarray(g), ref.p, grads)
+  for path, a in jax.tree_util.tree_leaves_with_path(new):
+    _close(a, functools.reduce(lambda t, k: t[k.key], path, want), jax.tree_util.keystr(path))
+
+
+def test_prefill_in_bfloat16():
+  config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
+  mesh, params, ref, gen = _setup(2, "bf16", config=config)
+  tokens = gen.integers(0, config.vocab, (2, 8)).astype(np.int32)
+  with jax.set_mesh(mesh):
+    logits, cache = jax.jit(functools.partial(
+        transformer.prefill, cache_len=8, config=config, axis_name=AXIS))(
+            params, testkit.put(mesh, tokens, P()))
+  assert cache.k.dtype == jnp.bfloat16
+  _close(logits, np.asarray(ref.logits(tokens))[:, -1], "bf16 logits", rtol=5e-2)
+
+
+def test_choices_are_visible():
+  assert transformer.attention_impl(jnp.bfloat16) == "xla"  # CPU
+  assert transformer.attention_impl(jnp.bfloat16, "cudnn") == "cudnn"
+  with pytest.raises(ValueError, match="attention='flash'"):
+    transformer.attention_impl(jnp.bfloat16, "flash")
+  assert transformer.decode_impl_for("xla_ring") == "xla_bsp"
+  assert transformer.decode_impl_for("auto") == "auto"
+  assert transformer.decode_impl_for("xla_bsp", "pallas") == "pallas"
+  lines = transformer.explain(transformer.MODELS["70b"], axis_size=4, batch=1, seq=8192,
+                              decode_batch=32, cache_len=32768)
+  assert lines[0] == "attention: jax.nn.dot_product_attention(implementation='xla')"
+  assert any(line.startswith("step qkv: all_gather_matmul: impl='auto' -> xla_bsp; pallas"
+                             " rejected: the Pallas kernels need NVIDIA Hopper GPUs")
+             for line in lines), lines
+  assert any(line.startswith("decode attention: flash_decode: impl='auto' -> xla_bsp")
+             for line in lines), lines
+
+
+def test_pallas_on_cpu_says_why_not():
+  mesh, params, _, _ = _setup(2, "pallas")
+  tokens = np.zeros((2, 8), np.int32)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="impl='pallas' cannot run"):
+    transformer.loss(params, tokens, tokens, config=CONFIG, axis_name=AXIS, impl="pallas")
+
+
+def _abstract_params(config):
+  """Shapes and dtypes of one layer's parameters: enough to be refused."""
+  return jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config, 1))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(kv_heads=3, q_heads=6), "kv_heads=3 must be a multiple of the axis size 2"),
     (dict(ffn=101), "ffn=101 must be a multiple of the axis size 2"),
+    (dict(vocab=63), "vocab=63 must be a multiple of the axis size 2"),
     (dict(q_heads=6, kv_heads=4), "q_heads=6 must be a multiple of kv_heads=4"),
 ])
 def test_shapes_that_do_not_split_are_refused(kwargs, match):
-  config = transformer.TransformerConfig(**{**dict(hidden=64, q_heads=8, kv_heads=4,
-                                                   head_dim=16, ffn=128), **kwargs})
+  config = dataclasses.replace(CONFIG, **kwargs)
   with jax.set_mesh(testkit.mesh_1d(2)), pytest.raises(ValueError, match=match):
-    transformer.forward(transformer.init_params(jax.random.key(0), config, 1),
-                        jnp.zeros((2, 4, 64), config.dtype), config=config, axis_name=AXIS)
+    transformer.loss(_abstract_params(config), jnp.zeros((2, 4), jnp.int32),
+                     jnp.zeros((2, 4), jnp.int32),
+                     config=config, axis_name=AXIS)
 
 
-def test_the_sequence_must_split_over_the_axis():
-  params = transformer.init_params(jax.random.key(0), CONFIG, 1)
+def test_tokens_must_split_over_the_axis():
   with jax.set_mesh(testkit.mesh_1d(4)), pytest.raises(
-      ValueError, match="the sequence length S = 6 must be a multiple of the axis size 4"):
-    transformer.forward(params, jnp.zeros((2, 6, 64), CONFIG.dtype), config=CONFIG,
-                        axis_name=AXIS)
+      ValueError, match="B \\* S a multiple of the axis size 4"):
+    transformer.loss(_abstract_params(CONFIG), jnp.zeros((1, 6), jnp.int32),
+                     jnp.zeros((1, 6), jnp.int32),
+                     config=CONFIG, axis_name=AXIS)

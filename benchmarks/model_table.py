@@ -1,0 +1,98 @@
+"""The README's model figures, generated from the committed JSON of
+`python -m benchmarks.transformer` (never copied by hand).
+
+    python -m benchmarks.model_table                 # print the Markdown
+    python -m benchmarks.model_table --write README.md
+
+Reads benchmarks/results/*_transformer.json (GPU runs only, unless --all),
+one table per machine, the device named; with --write, replaces what lies
+between the README's `<!-- MODEL_TABLE -->` and `<!-- /MODEL_TABLE -->` lines.
+"""
+
+import json
+import pathlib
+
+from absl import app
+from absl import flags
+
+from benchmarks import transformer
+
+_RESULTS = flags.DEFINE_string("results", "benchmarks/results", "Where the JSON files are.")
+_WRITE = flags.DEFINE_string("write", "", "A Markdown file whose marked section to replace.")
+_ALL = flags.DEFINE_bool("all", False, "Also CPU runs (smoke tests, not performance).")
+
+BEGIN, END = "<!-- MODEL_TABLE -->", "<!-- /MODEL_TABLE -->"
+
+
+def _fmt(x, spec=".2f") -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def markdown(payloads: list[dict]) -> str:
+  """One table per payload (a benchmarks.transformer JSON)."""
+  if not payloads:
+    return ("No GPU results committed yet: run `make bench` on a Hopper machine and commit"
+            " `benchmarks/results/*_transformer.json`.")
+  out = []
+  for p in payloads:
+    records = p["records"]
+    dates = sorted(r["time_utc"][:10] for r in records if "time_utc" in r)
+    when = f"{dates[0]} to {dates[-1]}" if dates and dates[0] != dates[-1] else (
+        dates[0] if dates else "?")
+    out.append(f"**{p['devices']} x {p['device_kind']}** (`{p['tag']}_transformer.json`;"
+               f" jax {p['jax_version']}; {p['layers']} layers, random weights; {when}).")
+    out.append("Per step, per device, ms: CUPTI (sum of kernel time) / back-to-back dispatch;"
+               " speedup = BSP time / fused time.")
+    out.append("")
+    out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch |")
+    out.append("|---|---|---|---|---|---|---|")
+    steps = ("train", "prefill", "decode")
+    rows = sorted(transformer.speedups(records), key=lambda r: (
+        r["model"], r["d"], steps.index(r["step"]) if r["step"] in steps else 3,
+        *reversed([int(x) for x in r["shape"].removeprefix("b").split("_s")])))
+    for r in rows:
+      b, s = r["shape"].removeprefix("b").split("_s")
+      shape = f"{b} x {int(s) // 1024}K" if r["step"] == "decode" else f"{b} x {s}"
+      if r["status"] != "ok/ok":
+        reasons = {x["reason"].split(" | ")[0][:90] for x in records
+                   if x["key"].rsplit("/", 1)[0] == f"{r['model']}/D{r['d']}/{r['step']}/"
+                   f"{r['shape']}" and x["status"] != "ok"}
+        out.append(f"| {r['model']} | {r['d']} | {r['step']} | {shape} | {r['status']} |"
+                   f" {'; '.join(sorted(reasons))} | - |")
+        continue
+      out.append(
+          f"| {r['model']} | {r['d']} | {r['step']} | {shape} |"
+          f" {_fmt(r['fused_cupti_ms'])} / {_fmt(r['fused_dispatch_ms'])} |"
+          f" {_fmt(r['bsp_cupti_ms'])} / {_fmt(r['bsp_dispatch_ms'])} |"
+          f" {_fmt(r['speedup_cupti'])} / {_fmt(r['speedup_dispatch'])} |")
+    out.append("")
+  return "\n".join(out).rstrip()
+
+
+def load(results: pathlib.Path, include_cpu: bool) -> list[dict]:
+  payloads = [json.loads(p.read_text()) for p in sorted(results.glob("*_transformer.json"))]
+  return [p for p in payloads if include_cpu or p.get("platform") == "gpu"]
+
+
+def replace_section(text: str, section: str) -> str:
+  """`text` with the lines between BEGIN and END replaced by `section`."""
+  if BEGIN not in text or END not in text:
+    raise ValueError(f"the file has no {BEGIN} ... {END} section")
+  head, rest = text.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  return f"{head}{BEGIN}\n{section}\n{END}{tail}"
+
+
+def main(argv) -> None:
+  del argv
+  section = markdown(load(pathlib.Path(_RESULTS.value), _ALL.value))
+  if _WRITE.value:
+    path = pathlib.Path(_WRITE.value)
+    path.write_text(replace_section(path.read_text(), section))
+    print(f"model_table: wrote {path}")
+  else:
+    print(section)
+
+
+if __name__ == "__main__":
+  app.run(main)

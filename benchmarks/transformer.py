@@ -1,0 +1,517 @@
+"""The whole model: jax_overlap.transformer fused (`impl="auto"`) against the
+same model on the best BSP paths, per step, at several axis sizes in one call.
+
+    python -m benchmarks.transformer [--quick] [--models=70b,8b] [--steps=train,prefill,decode]
+        [--axis_sizes=4,2] [--model_layers=8] [--iterations=0] [--time_budget_s=540]
+        [--decode_bsp_impl=xla_bsp] [--out_dir=benchmarks/results] [--fresh]
+
+Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
+  fused  impl="auto" for every collective op and flash_decode: our Pallas
+         kernels where `explain` picks them, else XLA.
+  bsp    impl="xla_bsp" (NCCL collective, then cuBLAS GEMM) and flash_decode
+         impl=--decode_bsp_impl (the local decode attention, then an exchange
+         and the log-sum-exp merge; "xla_bsp" until a faster local kernel has a
+         name there).
+Steps (random weights, `--model_layers` layers under lax.scan, bf16 on GPU):
+  train    loss, gradients through the ops' VJPs and an SGD update, over
+           B x S tokens (1 x 8192 and 8 x 2048).
+  prefill  B x S prompt tokens into a cache of S positions, logits of the
+           last position (1 x 8192 and 8 x 2048).
+  decode   one token for each of B sequences over caches of S positions, the
+           cache donated and updated in place (B 8, 32, 128; S 8K, 32K, 128K;
+           the lengths start 512 below S, so every device's shard is full).
+Cases that do not fit in memory (XLA's memory analysis of the compiled step,
+against the free memory of device 0) are skipped, as is everything once
+--time_budget_s has passed; a case that fails is recorded with its error and
+the run goes on.
+
+Figures per step, per device (ms): CUPTI (the median over calls of the sum of
+all kernels on all devices / D) and back-to-back dispatch (N unblocked calls /
+N, best of 3), as in benchmarks/harness.py; speedup = bsp time / fused time.
+The CUPTI kernel list of one call is summed by category (`CATEGORIES`).
+Writes benchmarks/results/<device>x<devices>_transformer.json (records of
+earlier runs on the same machine are kept unless replaced or --fresh) and a
+PNG chart beside it with matplotlib. On CPU a small model runs on 8 virtual
+devices: only the XLA paths (the kernels need Hopper GPUs); dispatch figures only.
+README figures: `python -m benchmarks.model_table`.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import pathlib
+import statistics
+import time
+import traceback
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import harness
+from benchmarks import runner  # pylint: disable=unused-import (its --iterations, --out_dir)
+from benchmarks import spmd
+from jax_overlap import transformer
+from pallas_kernels import platform
+
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "GPU: the 70b model, train and prefill at 1 x 8192, decode at batch 32 over"
+    " 32K; CPU: one shape per step.")
+_MODELS = flags.DEFINE_list("models", [], "Models of transformer.MODELS; default 70b,8b on GPUs,"
+                            " tiny on CPU.")
+_STEPS = flags.DEFINE_list("steps", ["train", "prefill", "decode"], "Steps to time.")
+_AXIS_SIZES = flags.DEFINE_list("axis_sizes", ["4", "2"],
+                                "Axis sizes D, in this order; those above the device count"
+                                " are left out.")
+_LAYERS = flags.DEFINE_integer("model_layers", 0, "Layers; 0: 8 on GPUs, 2 on CPU.")
+# --iterations (calls per figure; 0: 10 on GPUs, 3 on CPU) and --out_dir are
+# benchmarks.runner's flags.
+_TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 540.0,
+                                    "Start no case after this many seconds.")
+_DECODE_BSP_IMPL = flags.DEFINE_string("decode_bsp_impl", "xla_bsp",
+                                       "flash_decode impl of the bsp model.")
+_FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
+_MEMORY_FRACTION = flags.DEFINE_float(
+    "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
+    " device 0's free memory.")
+
+AXIS = spmd.AXIS
+LEARNING_RATE = 1e-5
+DECODE_HEADROOM = 512  # decode lengths start this far below the cache size
+
+# Kernel name fragments, first match wins (lower case).
+CATEGORIES = (
+    ("pallas (mosaic_gpu)", ("mosaic_gpu",)),
+    ("xla barrier", ("multigpubarrier",)),
+    ("nccl", ("nccl",)),
+    ("attention (cudnn)", ("cudnn", "sdpa", "fmha", "flash")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "dot")),
+    ("copy, slice, transpose", ("copy", "slice", "transpose", "concatenate", "pad")),
+)
+OTHER = "other (elementwise, norms, softmax, ...)"
+
+GPU_SHAPES = {"train": ((1, 8192), (8, 2048)), "prefill": ((1, 8192), (8, 2048)),
+              "decode": tuple((b, s) for s in (8192, 32768, 131072) for b in (8, 32, 128))}
+GPU_QUICK = {"train": ((1, 8192),), "prefill": ((1, 8192),), "decode": ((32, 32768),)}
+CPU_SHAPES = {"train": ((2, 128),), "prefill": ((2, 128), (8, 32)), "decode": ((8, 1024),)}
+CPU_QUICK = {"train": ((2, 64),), "prefill": ((2, 64),), "decode": ((8, 1024),)}
+
+
+class Skip(Exception):
+  """A case cannot run here; the message says why."""
+
+
+def category(kernel_name: str) -> str:
+  name = kernel_name.lower()
+  for label, fragments in CATEGORIES:
+    if any(f in name for f in fragments):
+      return label
+  return OTHER
+
+
+def breakdown_ms(kernels, devices: int) -> dict[str, float]:
+  """{category: ms per device} of one call's kernels (all devices)."""
+  totals: dict[str, float] = {}
+  for k in kernels:
+    totals[category(k.name)] = totals.get(category(k.name), 0.0) + k.us / 1e3 / devices
+  return dict(sorted(totals.items(), key=lambda e: -e[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str
+  impl: str
+  decode_impl: str | None
+
+
+def variants() -> tuple[Variant, ...]:
+  return (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", _DECODE_BSP_IMPL.value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  model: str
+  d: int
+  step: str
+  batch: int
+  seq: int
+  variant: Variant
+
+  @property
+  def shape(self) -> str:
+    return f"b{self.batch}_s{self.seq}"
+
+  @property
+  def key(self) -> str:
+    return f"{self.model}/D{self.d}/{self.step}/{self.shape}/{self.variant.name}"
+
+
+def _tokens_per_call(step: str, batch: int, seq: int) -> int:
+  return batch if step == "decode" else batch * seq
+
+
+def _mesh(d: int) -> jax.sharding.Mesh:
+  devices = sorted(jax.devices(), key=lambda x: x.id)[:d]
+  return jax.sharding.Mesh(np.asarray(devices), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _params(config, layers: int, mesh):
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), transformer.param_specs(AXIS))
+  make = jax.jit(lambda k: transformer.init_params(k, config, layers), out_shardings=shardings)
+  return jax.block_until_ready(make(jax.random.key(0)))
+
+
+def _abstract(tree, mesh, specs):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                        sharding=NamedSharding(mesh, s)),
+                      tree, specs)
+
+
+def _free_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def _check_memory(compiled, unallocated_bytes: int) -> dict:
+  """Raises Skip if the compiled step cannot fit; returns the figures (GiB)."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return {}
+  need = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+          - analysis.alias_size_in_bytes + unallocated_bytes)
+  figures = {"temp_gib": analysis.temp_size_in_bytes / 2**30,
+             "need_gib": need / 2**30}
+  free = _free_bytes()
+  if free is not None:
+    figures["free_gib"] = free / 2**30
+    if need > _MEMORY_FRACTION.value * free:
+      raise Skip(f"does not fit: needs {need / 2**30:.1f} GiB per device beyond the weights,"
+                 f" {free / 2**30:.1f} GiB free on device 0")
+  return figures
+
+
+def _cupti_per_call(fn, args, devices: int):
+  """(ms per device, kernels) of one call of fn(*args) by CUPTI, and its outputs."""
+  from jax.experimental.mosaic.gpu import profiler  # GPU only.
+  out, timings = profiler.measure(fn, aggregate=False, iterations=1)(*args)
+  if timings is None:
+    raise RuntimeError("CUPTI saw no kernel launch: nothing ran on the GPU.")
+  kernels = tuple(harness.Kernel(name, ms * 1e3) for name, ms in timings)
+  return sum(k.us for k in kernels) / 1e3 / devices, kernels, out
+
+
+def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
+  t = harness.measure(fn, args, iterations=iterations)
+  return {"cupti_ms": None if t.cupti_us is None else t.cupti_us / 1e3,
+          "dispatch_ms": t.dispatch_us / 1e3, "kernels": t.kernels}
+
+
+def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices: int):
+  """Steps that donate their state, each fed the last one's (`advance(args,
+  outputs)` gives the next call's args): back-to-back dispatch (best of
+  harness.DISPATCH_REPEATS runs of N steps), then N single-step CUPTI profiles.
+  Returns (figures, the last args)."""
+  args = advance(args, fn(*args))
+  jax.block_until_ready(args)
+  best = float("inf")
+  for _ in range(harness.DISPATCH_REPEATS):
+    start = time.perf_counter()
+    for _ in range(iterations):
+      args = advance(args, fn(*args))
+    jax.block_until_ready(args)
+    best = min(best, (time.perf_counter() - start) / iterations)
+  result = {"dispatch_ms": best * 1e3, "cupti_ms": None, "kernels": ()}
+  if harness.cupti_available():
+    per_call = []
+    for _ in range(iterations):
+      ms, kernels, out = _cupti_per_call(fn, args, devices)
+      args = advance(args, out)
+      per_call.append(ms)
+    result.update(cupti_ms=statistics.median(per_call), kernels=kernels)
+  return result, jax.block_until_ready(args)
+
+
+def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
+  """Compiles, checks memory, runs and times one case; returns the record's
+  figures. A training step donates the parameters: holder["params"] gets
+  the last step's."""
+  v, d, params = case.variant, case.d, holder["params"]
+  common = dict(config=config, axis_name=AXIS, mesh=mesh, impl=v.impl)
+  b, s = case.batch, case.seq
+  tokens_spec = NamedSharding(mesh, P())
+  layers = params["layers"]["w_o"].shape[0]
+  abstract_params = _abstract(params, mesh, transformer.param_specs(AXIS))
+  decode = case.step == "decode"
+  info = {"explain": transformer.explain(
+      config, axis_size=d, batch=None if decode else b, seq=None if decode else s,
+      impl=v.impl, decode_impl=v.decode_impl, decode_batch=b if decode else None,
+      cache_len=s if decode else None)}
+  gen = np.random.default_rng(0)
+  tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
+  tokens = lambda: jax.device_put(gen.integers(0, config.vocab, (b, s)).astype(np.int32),
+                                  tokens_spec)
+  if case.step == "prefill":
+    fn = jax.jit(functools.partial(transformer.prefill, cache_len=s, **common))
+    compiled = fn.lower(abstract_params, tok).compile()
+    info["memory"] = _check_memory(compiled, 0)
+    return {**_time_stateless(compiled, (params, tokens()), iterations, d), "info": info}
+  if case.step == "train":
+    fn = jax.jit(functools.partial(transformer.train_step, learning_rate=LEARNING_RATE,
+                                   **common), donate_argnums=(0,))
+    compiled = fn.lower(abstract_params, tok, tok).compile()
+    info["memory"] = _check_memory(compiled, 0)
+    figures, (holder["params"], _, _) = _time_threaded(
+        compiled, (params, tokens(), tokens()), lambda a, out: (out[0], *a[1:]), iterations, d)
+    return {**figures, "info": info}
+  specs = transformer.cache_specs(AXIS)
+  shape = (layers, b, s, config.kv_heads, config.head_dim)
+  cache_abstract = transformer.KVCache(
+      jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, specs.k)),
+      jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, specs.v)),
+      jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
+  fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl, **common),
+               donate_argnums=(2,))
+  compiled = fn.lower(abstract_params, jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec),
+                      cache_abstract).compile()
+  cache_bytes = 2 * int(np.prod(shape)) * jnp.dtype(config.dtype).itemsize // d
+  info["memory"] = _check_memory(compiled, cache_bytes)
+  make_cache = jax.jit(
+      lambda: transformer.KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype),
+                                  jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
+      out_shardings=jax.tree.map(lambda a: a.sharding, cache_abstract))
+  new_tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
+  figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()),
+                              lambda a, out: (*a[:2], out[1]), iterations, d)
+  return {**figures, "info": info}
+
+
+def _lost(params) -> bool:
+  """Whether parameters must be made: none yet, or some donated and gone."""
+  return params is None or (not isinstance(params, Exception) and any(
+      a.is_deleted() for a in jax.tree.leaves(params)))
+
+
+def _error_text(e: Exception) -> str:
+  text = f"{type(e).__name__}: {str(e)[:400]}"
+  if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+    text = "out of memory: " + text
+  return text + " | " + "".join(traceback.format_exception(e)[-2:])[-600:]
+
+
+def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline: float) -> dict:
+  record = {"key": case.key, "model": case.model, "d": case.d, "step": case.step,
+            "shape": case.shape, "batch": case.batch, "seq": case.seq,
+            "variant": case.variant.name, "impl": case.variant.impl,
+            "decode_impl": transformer.decode_impl_for(case.variant.impl, case.variant.decode_impl),
+            "attention": transformer.attention_impl(config.dtype),
+            "tokens_per_call": _tokens_per_call(case.step, case.batch, case.seq),
+            "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  if time.monotonic() > deadline:
+    return {**record, "status": "skipped", "reason": "time budget (--time_budget_s) spent"}
+  start = time.monotonic()
+  try:
+    figures = _build(case, config, holder, mesh, iterations)
+  except Skip as e:
+    return {**record, "status": "skipped", "reason": str(e)}
+  except Exception as e:  # pylint: disable=broad-except
+    return {**record, "status": "failed", "reason": _error_text(e)}
+  finally:
+    gc.collect()
+  kernels = figures.pop("kernels")
+  info = figures.pop("info")
+  record.update(status="ok", wall_s=time.monotonic() - start, **figures, info=info,
+                breakdown_ms=breakdown_ms(kernels, case.d) if kernels else {},
+                top_kernels=[(n, c, t / 1e3 / case.d)
+                             for n, c, t in harness.kernel_summary(kernels)[:12]])
+  best = figures["cupti_ms"] if figures["cupti_ms"] is not None else figures["dispatch_ms"]
+  record["tokens_per_s"] = record["tokens_per_call"] / best * 1e3
+  return record
+
+
+def _line(r: dict) -> str:
+  if r["status"] != "ok":
+    return f"{r['status'].upper()}: {r['reason'].split(' | ')[0][:200]}"
+  cupti = "-" if r["cupti_ms"] is None else f"{r['cupti_ms']:.2f}"
+  return f"cupti {cupti} ms, dispatch {r['dispatch_ms']:.2f} ms ({r['wall_s']:.0f} s)"
+
+
+def speedups(records: list[dict]) -> list[dict]:
+  """One row per (model, D, step, shape): both variants' times and bsp / fused."""
+  by_key = {r["key"]: r for r in records}
+  rows, seen = [], set()
+  for r in records:
+    base = r["key"].rsplit("/", 1)[0]
+    if base in seen:
+      continue
+    seen.add(base)
+    fused, bsp = by_key.get(base + "/fused"), by_key.get(base + "/bsp")
+    row = {k: r[k] for k in ("model", "d", "step", "shape")}
+    for figure in ("cupti_ms", "dispatch_ms"):
+      f = fused.get(figure) if fused and fused["status"] == "ok" else None
+      b = bsp.get(figure) if bsp and bsp["status"] == "ok" else None
+      row[f"fused_{figure}"], row[f"bsp_{figure}"] = f, b
+      row[f"speedup_{figure.split('_')[0]}"] = b / f if f and b else None
+    row["status"] = "/".join((x or {}).get("status", "missing") for x in (fused, bsp))
+    rows.append(row)
+  return rows
+
+
+def table(records: list[dict]) -> list[str]:
+  fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)
+  header = ("model", "D", "step", "shape", "fused ms c/d", "bsp ms c/d", "speedup c/d", "status")
+  rows = [(r["model"], str(r["d"]), r["step"], r["shape"],
+           f"{fmt(r['fused_cupti_ms'])} / {fmt(r['fused_dispatch_ms'])}",
+           f"{fmt(r['bsp_cupti_ms'])} / {fmt(r['bsp_dispatch_ms'])}",
+           f"{fmt(r['speedup_cupti'])} / {fmt(r['speedup_dispatch'])}", r["status"])
+          for r in speedups(records)]
+  widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+  line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+  return [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
+
+
+def _chart(records: list[dict], path: pathlib.Path, device: str) -> str:
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return "no chart: matplotlib is not installed"
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  rows = [r for r in speedups(records) if r["speedup_dispatch"] or r["speedup_cupti"]]
+  if not rows:
+    return "no chart: no case ran in both variants"
+  labels = [f"{r['model']} D{r['d']} {r['step']} {r['shape']}" for r in rows]
+  fig, ax = plt.subplots(figsize=(9, 1.5 + 0.28 * len(rows)))
+  y = np.arange(len(rows))
+  ax.barh(y - 0.2, [r["speedup_cupti"] or 0 for r in rows], 0.4, label="CUPTI", color="#3366aa")
+  ax.barh(y + 0.2, [r["speedup_dispatch"] or 0 for r in rows], 0.4, label="dispatch",
+          color="#bbbbbb")
+  ax.axvline(1.0, color="red", linestyle="--")
+  ax.set_yticks(y, labels, fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlabel("speedup of the fused model over the BSP model (bsp time / fused time)")
+  ax.set_title(f"jax_overlap.transformer on {device}", fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return f"chart: {path}"
+
+
+def _plan(on_gpu: bool) -> tuple[list[str], dict, list[int], int, int]:
+  models = _MODELS.value or (["70b"] if on_gpu and _QUICK.value else
+                             ["70b", "8b"] if on_gpu else ["tiny"])
+  shapes = (GPU_QUICK if _QUICK.value else GPU_SHAPES) if on_gpu else (
+      CPU_QUICK if _QUICK.value else CPU_SHAPES)
+  unknown = [s for s in _STEPS.value if s not in shapes] + [
+      m for m in models if m not in transformer.MODELS]
+  if unknown:
+    raise app.UsageError(f"unknown steps or models {unknown}: steps {tuple(shapes)},"
+                         f" models {tuple(transformer.MODELS)}.")
+  sizes = [int(x) for x in _AXIS_SIZES.value if int(x) <= len(jax.devices())]
+  if not sizes:
+    raise app.UsageError(f"--axis_sizes={_AXIS_SIZES.value}: none fits the"
+                         f" {len(jax.devices())} devices here.")
+  layers = _LAYERS.value or (8 if on_gpu else 2)
+  iterations = flags.FLAGS.iterations or (10 if on_gpu else 3)
+  return models, {s: shapes[s] for s in _STEPS.value}, sizes, layers, iterations
+
+
+def main(argv) -> None:
+  del argv
+  start = time.monotonic()
+  deadline = start + _TIME_BUDGET_S.value
+  on_gpu = harness.cupti_available()
+  models, shapes, sizes, layers, iterations = _plan(on_gpu)
+  everything = spmd.mesh()
+  device = f"{everything.size} x {everything.devices.flat[0].device_kind}"
+  pallas = platform.hopper_unavailable_reason()
+  print(f"transformer: {device}, jax {jax.__version__}; models {models}, D {sizes}, {layers}"
+        f" layers, {iterations} calls per figure, time budget {_TIME_BUDGET_S.value:.0f} s",
+        flush=True)
+  print(f"transformer: Pallas kernels: {pallas or 'Hopper GPUs found: the kernels can run'}",
+        flush=True)
+  if not on_gpu:
+    print("transformer: no CUPTI here (not a GPU): dispatch figures only; the fused model runs"
+          " the XLA paths, so fused and bsp are the same program.", flush=True)
+  cases = [(m, d, step, b, s) for m in models for d in sizes
+           for step, step_shapes in shapes.items() for b, s in step_shapes]
+  total, done, records = 2 * len(cases), 0, []
+  for model in models:
+    base = transformer.MODELS[model]
+    config = base if on_gpu else dataclasses.replace(base, dtype=jnp.float32)
+    for d in sizes:
+      mesh = _mesh(d)
+      holder = {"params": None}
+      for m, dd, step, b, s in cases:
+        if (m, dd) != (model, d):
+          continue
+        for variant in variants():
+          done += 1
+          case = Case(model, d, step, b, s, variant)
+          print(f"[{done}/{total}] {case.key} ({time.monotonic() - start:.0f} s)", flush=True)
+          if _lost(holder["params"]) and time.monotonic() <= deadline:
+            try:  # first use, or a failed training step consumed them
+              config.check(d)
+              holder["params"] = None
+              gc.collect()
+              holder["params"] = _params(config, layers, mesh)
+            except Exception as e:  # pylint: disable=broad-except
+              holder["params"] = e
+          if isinstance(holder["params"], Exception):
+            record = {"key": case.key, "model": model, "d": d, "step": step, "shape": case.shape,
+                      "variant": variant.name, "status": "failed",
+                      "reason": "parameters: " + _error_text(holder["params"])}
+          else:
+            record = _run_case(case, config, holder, mesh, iterations, deadline)
+          record["layers"] = layers
+          print(f"    {_line(record)}", flush=True)
+          for label, ms in record.get("breakdown_ms", {}).items():
+            print(f"      {ms:9.3f} ms  {label}", flush=True)
+          records.append(record)
+      del holder
+      gc.collect()
+  _emit(records, everything, device, pallas, layers, iterations)
+
+
+def _emit(records, mesh, device: str, pallas, layers: int, iterations: int) -> None:
+  out_dir = pathlib.Path(flags.FLAGS.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / f"{spmd.device_tag(mesh)}_transformer.json"
+  kept = []
+  if path.exists() and not _FRESH.value:
+    new = {r["key"] for r in records}
+    kept = [r for r in json.loads(path.read_text()).get("records", []) if r["key"] not in new]
+  all_records = sorted(kept + records, key=lambda r: r["key"])
+  print()
+  print(f"jax_overlap.transformer on {device}: per step, per device, ms (c = CUPTI,"
+        " d = dispatch); speedup = bsp / fused")
+  print("\n".join(table(records)))
+  payload = {
+      "benchmark": "transformer", "device_kind": mesh.devices.flat[0].device_kind,
+      "platform": mesh.devices.flat[0].platform, "devices": mesh.size,
+      "tag": spmd.device_tag(mesh), "jax_version": jax.__version__,
+      "pallas": pallas or "Hopper GPUs found: the Pallas kernels can run",
+      "layers": layers, "iterations": iterations,
+      "models": {name: dataclasses.asdict(c) | {"dtype": jnp.dtype(c.dtype).name}
+                 for name, c in transformer.MODELS.items()},
+      "figures": ("per step, per device, ms. cupti_ms: median over calls of (sum of all kernels"
+                  " on all devices) / D; dispatch_ms: wall time of N unblocked calls / N, best of"
+                  f" {harness.DISPATCH_REPEATS}. breakdown_ms: one call's CUPTI kernels by"
+                  " category."),
+      "records": all_records}
+  path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+  print(f"\nJSON: {path} ({len(records)} records from this run, {len(kept)} kept)")
+  print(_chart(all_records, path.with_suffix(".png"), device))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,55 @@
+"""benchmarks.transformer on CPU devices: one quick run at D = 2 writes a
+record per step and variant, and benchmarks.model_table turns the JSON into
+the README's table."""
+
+import json
+
+from absl import flags
+import pytest
+
+from benchmarks import model_table
+from benchmarks import transformer as bench
+
+
+@pytest.fixture
+def quick_run(tmp_path):
+  flags.FLAGS(["bench", "--quick", "--axis_sizes=2", "--model_layers=1", "--iterations=1",
+               f"--out_dir={tmp_path}"])
+  try:
+    bench.main(None)
+  finally:
+    flags.FLAGS.unparse_flags()
+  return json.loads((tmp_path / "cpux8_transformer.json").read_text())
+
+
+def test_a_quick_run_records_every_step_and_variant(quick_run):
+  records = {r["key"]: r for r in quick_run["records"]}
+  assert sorted(records) == sorted(
+      f"tiny/D2/{step}/{shape}/{variant}" for step, shape in
+      (("train", "b2_s64"), ("prefill", "b2_s64"), ("decode", "b8_s1024"))
+      for variant in ("fused", "bsp"))
+  for r in records.values():
+    assert r["status"] == "ok", r
+    assert r["dispatch_ms"] > 0 and r["cupti_ms"] is None  # no CUPTI on CPU
+    assert r["info"]["explain"][0].startswith("attention: ")
+  assert records["tiny/D2/decode/b8_s1024/bsp"]["decode_impl"] == "xla_bsp"
+  assert "Hopper" in quick_run["pallas"]
+
+
+def test_the_readme_table_comes_from_the_json(quick_run):
+  section = model_table.markdown([quick_run])
+  assert section.startswith("**8 x cpu** (`cpux8_transformer.json`")
+  assert "| tiny | 2 | decode | 8 x 1K |" in section
+  readme = f"intro\n{model_table.BEGIN}\nold figures\n{model_table.END}\nrest\n"
+  assert model_table.replace_section(readme, section) == (
+      f"intro\n{model_table.BEGIN}\n{section}\n{model_table.END}\nrest\n")
+
+
+def test_kernel_names_fall_into_categories():
+  assert bench.category("body_mosaic_gpu_kernel") == "pallas (mosaic_gpu)"
+  assert bench.category("_Z31ncclDevKernel_AllGather_RING_LL24ncclDevKernelArgs") == "nccl"
+  assert bench.category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+  assert bench.category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == (
+      "attention (cudnn)")
+  assert bench.category("loop_dynamic_update_slice_fusion") == "copy, slice, transpose"
+  assert bench.category("loop_multiply_fusion") == bench.OTHER
