@@ -52,10 +52,24 @@ def _pallas_support(p: Problem) -> str | None:
       p.m // p.axis_size, p.k_shard, p.n, p.dtype, _kernel_config(p))
 
 
+# The least rows per device at which "auto" takes the fused kernel, by axis
+# size (D >= 3 take the last entry). Measured side by side against the BSP
+# path (bf16 dot, then psum_scatter) on 4 H100s, 2026-11-26
+# (benchmarks/results/h100x{2,4}_matmul_reduce_scatter.json, K_shard 4096):
+# at D = 2 the kernel was 1.06-1.26x faster from 64 rows per device up and
+# 0.90x at 32; at D = 4 1.17x at 2048 rows, 1.02x at 64, but 0.89x at 512
+# and 0.61-0.82x at 16-32 (the peers' reduce-stores over NVLink).
+_AUTO_MIN_ROWS = {1: 0, 2: 128}
+_AUTO_MIN_ROWS_MANY = 2048
+
+
 def _pallas_auto_rule(p: Problem) -> str | None:
-  del p
-  return ("experimental: the fused kernel has not passed its GPU tests at D >= 2 yet;"
-          " impl='pallas' runs it.")
+  rows = p.m // p.axis_size
+  least = _AUTO_MIN_ROWS.get(p.axis_size, _AUTO_MIN_ROWS_MANY)
+  if rows < least:
+    return (f"measured slower than BSP at {rows} rows per device with D = {p.axis_size}"
+            f" (auto takes it from {least}); impl='pallas' runs it.")
+  return None
 
 
 def _run_kernel(x, w, axis_name, config):
@@ -145,8 +159,9 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
     axis_name: the mesh axis that shards K (size D), bound by shard_map. It
       may be one axis of a larger mesh.
     impl: "auto", "pallas", "xla_bsp" or "xla_ring". See `explain`.
-      "pallas" is the fused kernel (Hopper GPUs, bf16/fp16); "auto" does not
-      take it yet (experimental until its GPU tests pass at D >= 2).
+      "pallas" is the fused kernel (Hopper GPUs, bf16/fp16); "auto" takes it
+      where it was measured faster than "xla_bsp" (by rows per device and D;
+      `explain` says which and why).
     reduce_in_float32: how the devices' partial products are summed. False
       (the default): each device's float32-accumulated product is rounded to
       x's dtype and the partials are summed in x's dtype, as a user's

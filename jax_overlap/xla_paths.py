@@ -56,7 +56,9 @@ def all_gather_matmul_ring(x, w, axis_name, return_gathered=False):
 # in x's dtype (each device's float32 product rounded once first).
 
 def matmul_reduce_scatter_bsp(x, w, axis_name, reduce_in_float32=False):
-  partial = _dot(x, w).astype(_F32 if reduce_in_float32 else x.dtype)
+  # The dot rounds its float32 accumulator to the exchange dtype itself (no
+  # separate convert kernel).
+  partial = jnp.dot(x, w, preferred_element_type=_F32 if reduce_in_float32 else x.dtype)
   return lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 

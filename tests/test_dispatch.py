@@ -158,3 +158,21 @@ def test_matmul_reduce_scatter_in_float32_is_an_xla_path():
                                               reduce_in_float32=True)
   choice = jax_overlap.explain_matmul_reduce_scatter(*args, axis_size=2, reduce_in_float32=True)
   assert choice.impl == "xla_bsp"
+
+
+@pytest.mark.parametrize("d,m,impl", [(2, 64, "xla_bsp"), (2, 256, "pallas"), (4, 2048, "xla_bsp"),
+                                      (4, 8192, "pallas"), (8, 8 * 2048, "pallas")])
+def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, impl, monkeypatch):
+  """With the platform check passed (as on Hopper), "auto" follows the
+  measured rule by rows per device and D, and says why it declines."""
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  choice = jax_overlap.explain_matmul_reduce_scatter(S(m, 4096), S(4096, 7168), axis_size=d)
+  assert choice.impl == impl
+  if impl == "xla_bsp":
+    [(name, reason)] = choice.rejected
+    assert name == "pallas" and "measured slower than BSP" in reason
+  named = jax_overlap.explain_matmul_reduce_scatter(S(m, 4096), S(4096, 7168), axis_size=d,
+                                                    impl="pallas")
+  assert named.impl == "pallas"
