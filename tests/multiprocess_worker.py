@@ -1,0 +1,630 @@
+"""One process of a multi-process test job, started by `jax_overlap.launch`.
+
+    python tests/multiprocess_worker.py SCENARIO
+
+Every process runs the same scenario (the same programs in the same order,
+as SPMD requires) and prints one line per check: `CHECK <name> PASS` or
+`CHECK <name> FAIL <why>`, then `WORKER DONE`; it exits 1 if a check
+failed. A check fails on its comparison only (after every process has run
+its collectives), so the processes stay in step; anything else raises, and
+`launch.initialize` makes that end the process at once.
+
+Scenarios:
+  cpu: 2 processes x 4 CPU devices, mesh ("dp", "tp") = (2, 4), "tp" inside
+    each process: every op's XLA paths and "auto", the model's forward pass,
+    training gradients and decode steps, against float64 NumPy (or, for the
+    gradients, the same program on this process's 4 devices alone); the
+    support check inside shard_map; one op over "tp" across the processes.
+  hang: process 1 stops responding while process 0 waits in a collective.
+  crash: process 1 raises while process 0 waits in a collective.
+  gpu_tp_inside: P processes x 2+ GPUs, ("dp", "tp") = (P, GPUs), "tp"
+    inside each process: impl="pallas" and "auto" against impl="xla_bsp",
+    element by element, repeated calls, a layer scan; then back-to-back
+    timings (`TIME` lines). With P = 1 it is the single-process baseline.
+  gpu_tp_across: P processes x 1 GPU, "tp" across them: the support check
+    refuses the kernels, impl="auto" takes XLA, impl="pallas" raises; results,
+    repeated calls and a layer scan against impl="xla_bsp".
+"""
+
+import functools
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+_REPO_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+sys.path.insert(0, _REPO_ROOT)  # this checkout's jax_overlap, not an installed one
+
+from jax_overlap import launch  # pylint: disable=wrong-import-position
+
+PROCESS_ID = launch.initialize()
+
+# pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from jax_overlap import transformer
+from pallas_kernels import platform
+import reference
+# pylint: enable=wrong-import-position
+
+_failures = []
+
+
+class Skip(Exception):
+  """Raised by a check that does not apply here (printed as SKIP, with why)."""
+
+
+def check(name: str, fn, *args) -> None:
+  """Runs one check and prints its line. A failed assertion or an error is
+  reported as FAIL and the next check runs: errors at trace or compile time
+  happen alike in every process, so the processes stay in step (one that
+  fails alone leaves the others waiting, and the launcher's timeout ends them)."""
+  try:
+    fn(*args)
+  except Skip as e:
+    print(f"CHECK {name} SKIP {e}", flush=True)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    _failures.append(name)
+    why = " ".join(f"{type(e).__name__}: {e}".split())
+    print(f"CHECK {name} FAIL {why}", flush=True)
+    traceback.print_exc()
+    sys.stdout.flush()
+  else:
+    print(f"CHECK {name} PASS", flush=True)
+
+
+def mesh_of(devices: np.ndarray, axis_type=AxisType.Explicit) -> Mesh:
+  return Mesh(devices, ("dp", "tp"), axis_types=(axis_type,) * 2)
+
+
+def tp_inside() -> Mesh:
+  """("dp", "tp") with "tp" over each process's own devices, "dp" across."""
+  return mesh_of(np.array(jax.devices()).reshape(jax.process_count(), -1))
+
+
+def tp_across() -> Mesh:
+  """("dp", "tp") with "tp" over one device of each process."""
+  return mesh_of(np.array(jax.devices()).reshape(jax.process_count(), -1).T)
+
+
+def put(mesh: Mesh, a: np.ndarray, spec: P) -> jax.Array:
+  """The global array `a` (the same in every process) placed as `spec`."""
+  a = np.asarray(a)
+  return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
+
+
+def gather(a: jax.Array) -> np.ndarray:
+  """The whole global array, in every process."""
+  if a.is_fully_addressable:  # on this process's devices only
+    return np.asarray(a)
+  return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def rng(*key) -> np.random.Generator:
+  """The same generator in every process for the same key."""
+  import zlib  # pylint: disable=import-outside-toplevel
+  return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+# --- the support check ---------------------------------------------------------
+
+
+def reasons_inside(mesh: Mesh, axes, *, set_mesh: bool = True) -> dict:
+  """axis -> platform.axis_process_reason(axis), asked while jit traces a
+  shard_map body over `mesh` (nothing runs)."""
+  got = {}
+
+  def body(x):
+    for axis in axes:
+      got[axis] = platform.axis_process_reason(axis)
+    return x
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))
+  arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P()))
+  if set_mesh:
+    with jax.set_mesh(mesh):
+      f.trace(arg)
+  else:
+    f.trace(arg)
+  return got
+
+
+def check_support_inside():
+  got = reasons_inside(tp_inside(), ("tp", "dp", ("dp", "tp")))
+  assert got["tp"] is None, got["tp"]
+  for axis in ("dp", ("dp", "tp")):
+    assert got[axis] and "spans" in got[axis] and "NVSHMEM" in got[axis], (axis, got[axis])
+
+
+def check_support_across():
+  got = reasons_inside(tp_across(), ("tp", "dp"))
+  assert got["tp"] and "spans 2 of the 2 processes" in got["tp"], got["tp"]
+  assert "impl='xla_bsp'" in got["tp"], got["tp"]
+  assert got["dp"] is None, got["dp"]
+
+
+def check_support_without_set_mesh():
+  """Devices not visible while tracing: refused, with what to do."""
+  mesh = mesh_of(np.array(jax.devices()).reshape(jax.process_count(), -1), AxisType.Auto)
+  got = reasons_inside(mesh, ("tp",), set_mesh=False)
+  assert got["tp"] and "jax.set_mesh" in got["tp"], got["tp"]
+
+
+def check_support_outside_shard_map():
+  reason = platform.axis_process_reason("tp")
+  assert reason and "jax.set_mesh" in reason, reason
+
+
+# --- the ops ---------------------------------------------------------------------
+
+
+def check_all_gather_matmul(mesh: Mesh, impl: str):
+  gen = rng("agmm", impl)
+  x = gen.standard_normal((64, 32)).astype(np.float32)
+  w = gen.standard_normal((32, 16)).astype(np.float32)
+  with jax.set_mesh(mesh):
+    f = jax.jit(functools.partial(jax_overlap.sharded_all_gather_matmul, axis_name="tp",
+                                  batch_axes=("dp",), impl=impl))
+    out = f(put(mesh, x, P(("dp", "tp"), None)), put(mesh, w, P(None, "tp")))
+  reference.assert_close(gather(out), reference.matmul(x, w), np.float32)
+
+
+def check_matmul_reduce_scatter(mesh: Mesh, impl: str):
+  gen = rng("mmrs", impl)
+  x = gen.standard_normal((64, 32)).astype(np.float32)
+  w = gen.standard_normal((32, 16)).astype(np.float32)
+  with jax.set_mesh(mesh):
+    f = jax.jit(functools.partial(jax_overlap.sharded_matmul_reduce_scatter, axis_name="tp",
+                                  batch_axes=("dp",), impl=impl))
+    out = f(put(mesh, x, P("dp", "tp")), put(mesh, w, P("tp", None)))
+  reference.assert_close(gather(out), reference.matmul(x, w), np.float32)
+
+
+def check_flash_decode(mesh: Mesh, impl: str):
+  gen = rng("decode", impl)
+  b, hq, hkv, dh, s = 4, 8, 2, 16, 32
+  q = gen.standard_normal((b, hq, dh)).astype(np.float32)
+  k = gen.standard_normal((b, s, hkv, dh)).astype(np.float32)
+  v = gen.standard_normal((b, s, hkv, dh)).astype(np.float32)
+  lens = np.array([32, 1, 17, 0], np.int32)
+  kv = P("dp", "tp", None, None)
+  with jax.set_mesh(mesh):
+    f = jax.jit(functools.partial(jax_overlap.sharded_flash_decode, axis_name="tp",
+                                  batch_axes=("dp",), impl=impl))
+    out = f(put(mesh, q, P("dp", None, None)), put(mesh, k, kv), put(mesh, v, kv),
+            kv_lens=put(mesh, lens, P("dp")))
+  reference.assert_close(gather(out), reference.flash_decode(q, k, v, lens), np.float32)
+
+
+# --- the model (update with the model's API) -----------------------------------
+
+
+def check_model(mesh: Mesh, impl: str):
+  """The model's training gradients, forward (prefill) pass and decode steps
+  over "tp" of `mesh` (other axes replicate), equal to the single-process
+  results. The only part of this file that knows the model's API."""
+  config = transformer.TransformerConfig(hidden=64, q_heads=8, kv_heads=4, head_dim=16,
+                                         ffn=128, dtype=jnp.float32)
+  layers, batch, seq = 2, 4, 8
+  gen = rng("model", impl)
+  host = {n: np.asarray(a) for n, a in
+          transformer.init_params(jax.random.key(int(gen.integers(2**31))), config,
+                                  layers).items()}
+  x = gen.standard_normal((batch, seq, config.hidden)).astype(np.float32)
+  want = reference.transformer(host, x, q_heads=config.q_heads, kv_heads=config.kv_heads,
+                               eps=config.eps)
+  specs = transformer.param_specs("tp")
+  ops = dict(config=config, axis_name="tp", impl=impl)
+  x_spec = P(None, "tp", None)
+
+  def loss(params, x, mesh):
+    return jnp.mean(transformer.forward(params, x, mesh=mesh, **ops) ** 2)
+
+  def run(mesh):
+    """(forward, gradients) over `mesh`, gathered."""
+    with jax.set_mesh(mesh):
+      params = {n: put(mesh, a, specs[n]) for n, a in host.items()}
+      xs = put(mesh, x, x_spec)
+      out = jax.jit(functools.partial(transformer.forward, **ops))(params, xs)
+      grads = jax.jit(jax.grad(functools.partial(loss, mesh=mesh)))(params, xs)
+    return gather(out), {n: gather(g) for n, g in grads.items()}
+
+  out, grads = run(mesh)
+  reference.assert_close(out, want, np.float32, what="forward")
+  # The same program on this process's devices alone: the single-process result.
+  local = Mesh(np.array(jax.local_devices()), ("tp",), axis_types=(AxisType.Explicit,))
+  _, local_grads = run(local)
+  for n in host:
+    reference.assert_close(grads[n], local_grads[n], np.float32, what=f"gradient of {n}")
+
+  # Decode token by token from a cache full of garbage: step t equals the
+  # forward pass at position t.
+  cache_shape = (layers, batch, seq, config.kv_heads, config.head_dim)
+  garbage = rng("garbage").standard_normal(cache_shape).astype(np.float32) * 100
+  cache_spec = P(None, None, "tp", None, None)
+  step = jax.jit(functools.partial(transformer.decode_step, **ops))
+  with jax.set_mesh(mesh):
+    params = {n: put(mesh, a, specs[n]) for n, a in host.items()}
+    cache_k, cache_v = put(mesh, garbage, cache_spec), put(mesh, -garbage, cache_spec)
+    for t in range(seq):
+      y, cache_k, cache_v = step(params, put(mesh, x[:, t], P()), cache_k, cache_v,
+                                 put(mesh, np.full((batch,), t, np.int32), P()))
+      reference.assert_close(gather(y), want[:, t], np.float32, what=f"decode step {t}")
+
+
+def scenario_cpu():
+  assert jax.process_count() == 2 and jax.local_device_count() == 4, (
+      jax.process_count(), jax.local_device_count())
+  check("support_inside", check_support_inside)
+  check("support_across", check_support_across)
+  check("support_without_set_mesh", check_support_without_set_mesh)
+  check("support_outside_shard_map", check_support_outside_shard_map)
+  inside = tp_inside()
+  for impl in ("xla_bsp", "xla_ring", "auto"):
+    check(f"all_gather_matmul_{impl}", check_all_gather_matmul, inside, impl)
+    check(f"matmul_reduce_scatter_{impl}", check_matmul_reduce_scatter, inside, impl)
+  for impl in ("xla_bsp", "auto"):
+    check(f"flash_decode_{impl}", check_flash_decode, inside, impl)
+  check("all_gather_matmul_tp_across", check_all_gather_matmul, tp_across(), "auto")
+  check("model_auto", check_model, inside, "auto")
+
+
+# --- failures the launcher must end ---------------------------------------------
+
+
+def _wait_in_collective():
+  """A sum over every process's devices: blocks until all have joined."""
+  mesh = Mesh(np.array(jax.devices()), ("all",))
+  ones = put(mesh, np.ones(jax.device_count(), np.float32), P("all"))
+  print("waiting in a collective", flush=True)
+  print(jax.jit(jnp.sum)(ones), flush=True)
+
+
+def scenario_hang():
+  if PROCESS_ID == 1:
+    print("hanging", flush=True)
+    time.sleep(3600)
+  _wait_in_collective()
+
+
+def scenario_crash():
+  if PROCESS_ID == 1:
+    raise RuntimeError("process 1 fails on purpose")
+  _wait_in_collective()
+
+
+# --- GPU ---------------------------------------------------------------------------
+
+BF16 = jnp.bfloat16
+_U = 2.0**-8  # bf16's unit roundoff
+
+
+def assert_elementwise(got, want, what: str, ulps: float = 2) -> None:
+  """Every element of `got` within ulps bf16 ulps of `want`'s, plus ulps
+  half-ulps of want's rms for elements near zero: two float32-accumulated
+  results rounded once to bf16 differ by at most one ulp; a wrong, stale or
+  missing tile or row block is off by O(rms)."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  rms = float(np.sqrt(np.mean(want.astype(np.float64) ** 2)))
+  bound = ulps * _U * (2 * np.abs(want) + rms)
+  err = np.abs(got - want)
+  bad = err > bound
+  assert not bad.any(), (
+      f"{what}: {bad.sum()} of {err.size} elements off, worst {err.max():.3g} at"
+      f" {np.unravel_index(np.argmax(err - bound), err.shape)} (rms {rms:.3g})")
+
+
+def normal(gen, shape, scale=1.0) -> np.ndarray:
+  return (gen.standard_normal(shape, np.float32) * scale).astype(BF16)
+
+
+def back_to_back_us(f, *args, calls: int = 50) -> float:
+  """Mean µs per call of `calls` calls issued without blocking (one block at
+  the end), after a warm-up call: what a model step pays per call."""
+  jax.block_until_ready(f(*args))
+  start = time.perf_counter()
+  outs = [f(*args) for _ in range(calls)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - start) / calls * 1e6
+
+
+def runs_a_kernel(f, *args) -> bool:
+  return "mosaic_gpu" in str(jax.jit(f).lower(*args).as_text())
+
+
+# Per-shard shapes the kernels take at D = 2 (from the single-process GPU tests
+# and benchmarks, where they are timed).
+AG_SHAPE = (1024, 4096, 4096)  # M_shard, K, N_shard
+DECODE_SHAPE = (4, 64, 8, 128, 4096)  # B_shard, Hq, Hkv, Dh, S_shard
+LAYERS = 3
+
+
+def _ag_inputs(mesh, key):
+  m, k, n = AG_SHAPE
+  dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+  gen = rng(key)
+  x = normal(gen, (dp * tp * m, k))
+  w = normal(gen, (k, tp * n), k**-0.5)
+  return x, w
+
+
+def _ag_fn(mesh, impl):
+  return jax.jit(functools.partial(jax_overlap.sharded_all_gather_matmul, axis_name="tp",
+                                   batch_axes=("dp",), impl=impl, mesh=mesh))
+
+
+def _decode_inputs(mesh, key, layers=None):
+  b, hq, hkv, dh, s = DECODE_SHAPE
+  dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+  gen = rng(key)
+  lead = () if layers is None else (layers,)
+  q = normal(gen, (dp * b, hq, dh))
+  k = normal(gen, (*lead, dp * b, tp * s, hkv, dh))
+  v = normal(gen, (*lead, dp * b, tp * s, hkv, dh))
+  lens = (np.arange(dp * b) * 997 % (tp * s) + 1).astype(np.int32)  # ragged, crossing devices
+  return q, k, v, lens
+
+
+def _decode_fn(mesh, impl):
+  """jit of (q, k, v, kv_lens) -> sharded_flash_decode."""
+  def f(q, k, v, kv_lens):
+    return jax_overlap.sharded_flash_decode(q, k, v, kv_lens=kv_lens, axis_name="tp",
+                                            batch_axes=("dp",), impl=impl, mesh=mesh)
+  return jax.jit(f)
+
+
+def _placed_ag(mesh, x, w):
+  return put(mesh, x, P(("dp", "tp"), None)), put(mesh, w, P(None, "tp"))
+
+
+def _placed_decode(mesh, q, k, v, lens):
+  kv = P(*([None] * (k.ndim - 4)), "dp", "tp", None, None)
+  return (put(mesh, q, P("dp", None, None)), put(mesh, k, kv), put(mesh, v, kv),
+          put(mesh, lens, P("dp")))
+
+
+def check_gpu_all_gather_matmul(mesh, impl):
+  """impl against xla_bsp; then 4 calls back to back on x, -x, 2x, x/2 (exact
+  in bf16), each against the XLA result scaled alike: a stale row block from
+  the call before would show."""
+  x, w = _ag_inputs(mesh, "gpu agmm")
+  with jax.set_mesh(mesh):
+    xs, ws = _placed_ag(mesh, x, w)
+    f = _ag_fn(mesh, impl)
+    if impl == "pallas":
+      assert runs_a_kernel(f, xs, ws), "no Mosaic GPU kernel in the lowered program"
+    want = gather(_ag_fn(mesh, "xla_bsp")(xs, ws))
+    assert_elementwise(gather(f(xs, ws)), want, f"all_gather_matmul {impl}")
+    scales = (1.0, -1.0, 2.0, 0.5)
+    outs = [f(put(mesh, (x.astype(np.float32) * c).astype(BF16), P(("dp", "tp"), None)), ws)
+            for c in scales]
+    for c, out in zip(scales, outs):
+      assert_elementwise(gather(out), want.astype(np.float32) * c,
+                         f"all_gather_matmul {impl}, repeated call with x * {c}")
+
+
+def check_gpu_matmul_reduce_scatter(mesh, impl):
+  m, k, n = AG_SHAPE[0] * mesh.shape["tp"], AG_SHAPE[1], AG_SHAPE[2]
+  tp = mesh.shape["tp"]
+  if impl == "pallas":
+    try:
+      jax_overlap.explain_matmul_reduce_scatter(
+          jax.ShapeDtypeStruct((m, k // tp), BF16), jax.ShapeDtypeStruct((k // tp, n), BF16),
+          axis_size=tp, impl="pallas")
+    except ValueError as e:
+      raise Skip(f"impl='pallas' does not accept it here: {e}") from e
+  gen = rng("gpu mrs")
+  x = normal(gen, (mesh.shape["dp"] * m, k))
+  w = normal(gen, (k, n), k**-0.5)
+  with jax.set_mesh(mesh):
+    xs, ws = put(mesh, x, P("dp", "tp")), put(mesh, w, P("tp", None))
+    f = lambda impl: jax.jit(functools.partial(  # pylint: disable=g-long-lambda
+        jax_overlap.sharded_matmul_reduce_scatter, axis_name="tp", batch_axes=("dp",),
+        impl=impl, mesh=mesh))
+    want = gather(f("xla_bsp")(xs, ws))
+    outs = [f(impl)(xs, ws) for _ in range(3)]
+    for i, out in enumerate(outs):
+      assert_elementwise(gather(out), want, f"matmul_reduce_scatter {impl}, call {i}")
+
+
+def check_gpu_flash_decode(mesh, impl):
+  """impl against xla_bsp, ragged lengths; then 3 calls back to back with q,
+  -q and 2q against the XLA result for each."""
+  q, k, v, lens = _decode_inputs(mesh, "gpu decode")
+  with jax.set_mesh(mesh):
+    args = _placed_decode(mesh, q, k, v, lens)
+    f, xla = _decode_fn(mesh, impl), _decode_fn(mesh, "xla_bsp")
+    if impl == "pallas":
+      assert runs_a_kernel(f, *args), "no Mosaic GPU kernel in the lowered program"
+    qs = [put(mesh, (q.astype(np.float32) * c).astype(BF16), P("dp", None, None))
+          for c in (1.0, -1.0, 2.0)]
+    outs = [f(qi, *args[1:]) for qi in qs]
+    for c, qi, out in zip((1.0, -1.0, 2.0), qs, outs):
+      assert_elementwise(gather(out), gather(xla(qi, *args[1:])), f"flash_decode {impl}, q * {c}")
+
+
+def check_gpu_layer_scan(mesh, impl):
+  """LAYERS layers under lax.scan inside one shard_map: all_gather_matmul,
+  a local matmul back to K columns, psum_scatter back to row shards; and a
+  chain of flash_decode over per-layer caches (each output, rescaled, is the
+  next query). Against the same program with impl="xla_bsp"."""
+  m, k, n = AG_SHAPE
+  tp = mesh.shape["tp"]
+  gen = rng("gpu scan")
+  x = normal(gen, (mesh.shape["dp"] * tp * m, k))
+  w1 = normal(gen, (LAYERS, k, tp * n), k**-0.5)
+  w2 = normal(gen, (LAYERS, tp * n, k), (tp * n)**-0.5)
+  q, kc, vc, lens = _decode_inputs(mesh, "gpu scan decode", LAYERS)
+
+  def mlp_stack(impl, x, w1, w2):
+    def layer(x, w):
+      h = jax_overlap.all_gather_matmul(x, w[0], axis_name="tp", impl=impl)
+      y = jnp.dot(h, w[1], preferred_element_type=jnp.float32)
+      return lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True).astype(x.dtype), None
+    return lax.scan(layer, x, (w1, w2))[0]
+
+  def decode_stack(impl, q, k, v, lens):
+    def layer(q, kv):
+      o = jax_overlap.flash_decode(q, kv[0], kv[1], axis_name="tp", kv_lens=lens, impl=impl)
+      o = o.astype(jnp.float32)
+      return (o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6)).astype(q.dtype), None
+    return lax.scan(layer, q, (k, v))[0]
+
+  rows = P(("dp", "tp"), None)
+  kv = P(None, "dp", "tp", None, None)
+  with jax.set_mesh(mesh):
+    mlp_args = (put(mesh, x, rows), put(mesh, w1, P(None, None, "tp")),
+                put(mesh, w2, P(None, "tp", None)))
+    dec_args = (put(mesh, q, P("dp", None, None)), put(mesh, kc, kv), put(mesh, vc, kv),
+                put(mesh, lens, P("dp")))
+    mlp = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
+        functools.partial(mlp_stack, impl), mesh=mesh,
+        in_specs=(rows, P(None, None, "tp"), P(None, "tp", None)), out_specs=rows))
+    dec = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
+        functools.partial(decode_stack, impl), mesh=mesh,
+        in_specs=(P("dp", None, None), kv, kv, P("dp")), out_specs=P("dp", None, None)))
+    for _ in range(2):  # twice: the second run must not see the first one's signals
+      assert_elementwise(gather(mlp(impl)(*mlp_args)), gather(mlp("xla_bsp")(*mlp_args)),
+                         f"{LAYERS}-layer all_gather_matmul scan, {impl}", ulps=2 * LAYERS)
+      assert_elementwise(gather(dec(impl)(*dec_args)), gather(dec("xla_bsp")(*dec_args)),
+                         f"{LAYERS}-layer flash_decode scan, {impl}", ulps=2 * LAYERS)
+
+
+def time_ops(mesh, impl: str):
+  """Prints `TIME <op> <impl> <µs>` per call, back to back (this process's
+  view; no check)."""
+  x, w = _ag_inputs(mesh, "gpu time")
+  q, k, v, lens = _decode_inputs(mesh, "gpu time")
+  with jax.set_mesh(mesh):
+    ag_args = _placed_ag(mesh, x, w)
+    dec_args = _placed_decode(mesh, q, k, v, lens)
+    for impl in (impl, "xla_bsp"):  # pylint: disable=redefined-argument-from-local
+      print(f"TIME all_gather_matmul {impl} {back_to_back_us(_ag_fn(mesh, impl), *ag_args):.1f}"
+            f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}", flush=True)
+      print(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
+            f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}", flush=True)
+
+
+def scenario_gpu_tp_inside(impl: str = "pallas"):
+  """P processes x 2+ GPUs (P = 1: the single-process baseline)."""
+  mesh = tp_inside()
+  assert mesh.shape["tp"] >= 2, dict(mesh.shape)
+  check("support_inside", lambda: _assert_none(reasons_inside(mesh, ("tp",))["tp"]))
+  for each in dict.fromkeys((impl, "auto")):
+    check(f"all_gather_matmul_{each}", check_gpu_all_gather_matmul, mesh, each)
+    check(f"flash_decode_{each}", check_gpu_flash_decode, mesh, each)
+  check(f"matmul_reduce_scatter_{impl}", check_gpu_matmul_reduce_scatter, mesh, impl)
+  check(f"layer_scan_{impl}", check_gpu_layer_scan, mesh, impl)
+  if impl == "pallas":
+    # Not on CPU: there ~50 cross-process calls in flight deadlock gloo.
+    time_ops(mesh, impl)
+
+
+def scenario_gpu_code_on_cpu():
+  """The GPU scenarios' checks on CPU devices with tiny shapes and the XLA
+  paths (impl="auto" is XLA on CPU), so that their code runs in every test
+  run; the kernels' own checks need the GPUs."""
+  global AG_SHAPE, DECODE_SHAPE  # pylint: disable=global-statement
+  AG_SHAPE, DECODE_SHAPE = (16, 64, 32), (2, 8, 2, 64, 64)
+  scenario_gpu_tp_inside(impl="auto")
+  mesh = tp_across()
+  for name, fn in (("all_gather_matmul", check_gpu_all_gather_matmul),
+                   ("flash_decode", check_gpu_flash_decode), ("layer_scan", check_gpu_layer_scan)):
+    check(f"across_{name}_auto", fn, mesh, "auto")
+
+
+def _assert_none(reason):
+  assert reason is None, reason
+
+
+def _choice_logged(trace) -> str:
+  """The `Choice` lines the ops log (logger "jax_overlap", DEBUG) while
+  `trace()` traces them."""
+  import logging  # pylint: disable=import-outside-toplevel
+  records = []
+  handler = logging.Handler(logging.DEBUG)
+  handler.emit = lambda r: records.append(r.getMessage())
+  logger = logging.getLogger("jax_overlap")
+  old = logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    trace()
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+  return "\n".join(records)
+
+
+def check_gpu_across_refused(mesh):
+  """"tp" across processes: auto takes the XLA path, naming the reason;
+  impl="pallas" raises ValueError with it; `explain` says so too where it
+  can be told the axis."""
+  import inspect  # pylint: disable=import-outside-toplevel
+  reason = reasons_inside(mesh, ("tp",))["tp"]
+  assert reason and "NVSHMEM" in reason, reason
+  x, w = _ag_inputs(mesh, "gpu across")
+  q, k, v, lens = _decode_inputs(mesh, "gpu across")
+  with jax.set_mesh(mesh):
+    ag_args = _placed_ag(mesh, x, w)
+    dec_args = _placed_decode(mesh, q, k, v, lens)
+    for op, fn, args in (("all_gather_matmul", _ag_fn, ag_args),
+                         ("flash_decode", _decode_fn, dec_args)):
+      logged = _choice_logged(lambda: fn(mesh, "auto").trace(*args))  # pylint: disable=cell-var-from-loop
+      assert f"{op}: impl='auto' -> xla_bsp; pallas rejected:" in logged, logged
+      assert "NVSHMEM" in logged, logged
+      try:
+        fn(mesh, "pallas").trace(*args)
+      except ValueError as e:
+        assert "NVSHMEM" in str(e), str(e)
+      else:
+        raise AssertionError(f"{op} impl='pallas' with 'tp' across processes did not raise")
+    explain = jax_overlap.explain_all_gather_matmul
+    if "axis_name" in inspect.signature(explain).parameters:
+      m, kk, n = AG_SHAPE
+      choice = explain(jax.ShapeDtypeStruct((m, kk), BF16), jax.ShapeDtypeStruct((kk, n), BF16),
+                       axis_size=mesh.shape["tp"], axis_name="tp")
+      assert choice.impl == "xla_bsp" and "NVSHMEM" in str(choice), str(choice)
+    else:
+      print("explain_all_gather_matmul takes no axis_name: checked the traced choice only",
+            flush=True)
+
+
+def scenario_gpu_tp_across():
+  """N processes x 1 GPU, "tp" over all of them."""
+  mesh = tp_across()
+  assert mesh.shape["tp"] == jax.process_count() >= 2, dict(mesh.shape)
+  check("across_refused", check_gpu_across_refused, mesh)
+  check("all_gather_matmul_auto", check_gpu_all_gather_matmul, mesh, "auto")
+  check("flash_decode_auto", check_gpu_flash_decode, mesh, "auto")
+  check("layer_scan_auto", check_gpu_layer_scan, mesh, "auto")
+
+
+SCENARIOS = {
+    "cpu": scenario_cpu,
+    "hang": scenario_hang,
+    "crash": scenario_crash,
+    "gpu_tp_inside": scenario_gpu_tp_inside,
+    "gpu_tp_across": scenario_gpu_tp_across,
+    "gpu_code_on_cpu": scenario_gpu_code_on_cpu,
+}
+
+if __name__ == "__main__":
+  print(f"process {PROCESS_ID} of {jax.process_count()}: {jax.local_device_count()} local"
+        f" devices, ids {[d.id for d in jax.local_devices()]}", flush=True)
+  SCENARIOS[sys.argv[1]]()
+  print(f"WORKER DONE failures={_failures}", flush=True)
+  sys.stdout.flush()
+  # Every process reaches this point; leave through the shutdown barrier together.
+  sys.exit(1 if _failures else 0)

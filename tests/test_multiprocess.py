@@ -1,0 +1,261 @@
+"""Multi-process JAX: the launcher, and the ops and model run as several
+processes of one job (`tests/multiprocess_worker.py`, started by
+`jax_overlap.launch`), against their single-process results.
+
+CPU: 2 processes x 4 CPU devices (gloo collectives), mesh ("dp", "tp") =
+(2, 4) with "tp" inside each process. Each scenario runs once per module (a
+fixture) and every process prints one `CHECK <name> PASS|FAIL|SKIP` line per
+check; each test here asserts one check's line in every process.
+
+GPU (`gpu` marker, 4 Hopper GPUs): 2 processes x 2 GPUs with the kernels on
+"tp" inside each process, and 4 processes x 1 GPU with "tp" across them.
+"""
+
+import os
+import pathlib
+import re
+import sys
+
+import jax
+from jax.sharding import PartitionSpec as P
+import pytest
+
+from jax_overlap import launch
+from pallas_kernels import platform
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_WORKER = str(_ROOT / "tests" / "multiprocess_worker.py")
+# The launcher ends a job at its own timeout; pytest's is the backstop.
+CPU_TIMEOUT_S = 240
+pytestmark = pytest.mark.timeout(CPU_TIMEOUT_S + 60, method="thread")
+
+
+def _env(**extra) -> dict[str, str]:
+  """This environment with the checkout's root first on PYTHONPATH (an
+  installed jax_overlap must not shadow the one under test)."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+  env.update(extra)
+  return env
+
+
+def _run(scenario: str, num_processes: int, timeout_s: float, **kwargs) -> launch.LaunchResult:
+  return launch.launch([sys.executable, _WORKER, scenario], num_processes, timeout_s=timeout_s,
+                       cwd=str(_ROOT), echo=False, **kwargs)
+
+
+def _checks(result: launch.LaunchResult) -> list[dict[str, tuple[str, str]]]:
+  """Per process: check name -> (PASS/FAIL/SKIP, detail)."""
+  found = []
+  for lines in result.outputs:
+    found.append({m[1]: (m[2], m[3]) for line in lines
+                  if (m := re.match(r"CHECK (\S+) (PASS|FAIL|SKIP) ?(.*)", line))})
+  return found
+
+
+def _assert_passed(result: launch.LaunchResult, name: str) -> None:
+  """Check `name` passed in every process of `result`."""
+  for i, checks in enumerate(_checks(result)):
+    status, detail = checks.get(name, ("MISSING", ""))
+    if status == "SKIP":
+      pytest.skip(f"process {i}: {detail}")
+    assert status == "PASS", (
+        f"check {name} in process {i}: {status} {detail}\n({result.summary()})\n"
+        + result.text()[-20000:])
+
+
+def _assert_clean(result: launch.LaunchResult) -> None:
+  assert result.returncode == 0 and all(
+      any(line.startswith("WORKER DONE") for line in lines) for lines in result.outputs), (
+          f"{result.summary()}\n" + result.text()[-20000:])
+
+
+# --- the launcher ------------------------------------------------------------------
+
+
+def test_launcher_environment_and_prefixed_output(capsys):
+  code = ("import os; print(*(os.environ.get(v) for v in ('JAX_PROCESS_ID', 'JAX_NUM_PROCESSES',"
+          " 'JAX_COORDINATOR_ADDRESS', 'CUDA_VISIBLE_DEVICES', 'XLA_FLAGS', 'NCCL_NVLS_ENABLE',"
+          " 'NVSHMEM_DISABLE_NVLS')), sep='|')")
+  result = launch.launch([sys.executable, "-c", code], 2, devices_per_process=3,
+                         gpus_per_process=2, timeout_s=60,
+                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo",
+                              "NCCL_NVLS_ENABLE": "1"})
+  assert result.returncode == 0 and not result.timed_out, result.text()
+  lines = [out[0].split("|") for out in result.outputs]
+  port = lines[0][2].rsplit(":", 1)[1]
+  for i, (pid, count, address, gpus, flags, nvls, shmem_nvls) in enumerate(lines):
+    assert (pid, count, address) == (str(i), "2", f"127.0.0.1:{port}")
+    assert gpus == ("0,1", "2,3")[i]
+    assert flags == "--foo --xla_force_host_platform_device_count=3"
+    assert (nvls, shmem_nvls) == ("0", "1")  # multicast off, whatever the caller set
+  printed = capsys.readouterr().out
+  assert f"[p0] 0|2|127.0.0.1:{port}" in printed and f"[p1] 1|2|127.0.0.1:{port}" in printed
+
+
+def test_first_failure_ends_the_others():
+  code = ("import os, sys, time\n"
+          "if os.environ['JAX_PROCESS_ID'] == '1': print('bye'); sys.exit(3)\n"
+          "time.sleep(600)")
+  result = launch.launch([sys.executable, "-c", code], 3, timeout_s=120, echo=False)
+  assert (result.returncode, result.failed, result.timed_out) == (3, 1, False), result
+  assert result.seconds < 60 and result.outputs[1] == ("bye",)
+
+
+def test_timeout_ends_every_process():
+  result = launch.launch([sys.executable, "-c", "import time; time.sleep(600)"], 2,
+                         timeout_s=2, echo=False)
+  assert (result.returncode, result.timed_out, result.failed) == (launch.TIMED_OUT, True, None)
+  assert result.seconds < 30
+
+
+def test_cli_returns_the_failing_status():
+  assert launch.main(["-n", "2", "--timeout_s=60", "--", sys.executable, "-c",
+                      "import os, sys; sys.exit(int(os.environ['JAX_PROCESS_ID']) * 5)"]) == 5
+
+
+def test_a_crashed_worker_fails_the_job_at_once():
+  """Process 1 raises while process 0 waits for it in a collective: the job
+  fails with process 1's traceback, long before its timeout."""
+  result = _run("crash", 2, timeout_s=120, devices_per_process=2, env=_env())
+  assert (result.returncode, result.failed) == (1, 1), result.text()
+  assert result.seconds < 100
+  assert any("fails on purpose" in line for line in result.outputs[1]), result.text()
+
+
+def test_a_hung_worker_fails_the_job_at_its_timeout():
+  """Process 1 never joins the collective process 0 waits in."""
+  result = _run("hang", 2, timeout_s=20, devices_per_process=2, env=_env())
+  assert result.timed_out and result.returncode == launch.TIMED_OUT, result.text()
+  assert result.seconds < 50
+
+
+def test_support_check_in_one_process():
+  """One process owns every device: the kernels' process rule never objects."""
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8])
+  got = []
+
+  def body(x):
+    got.extend(platform.axis_process_reason(a) for a in ("tp", "dp", ("dp", "tp")))
+    return x
+
+  with jax.set_mesh(mesh):
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())).trace(
+        jax.ShapeDtypeStruct((8,), jax.numpy.float32))
+  assert got == [None, None, None]
+
+
+# --- 2 processes x 4 CPU devices ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_job():
+  return _run("cpu", 2, timeout_s=CPU_TIMEOUT_S, devices_per_process=4,
+              env=_env(JAX_PLATFORMS="cpu"))
+
+
+@pytest.fixture(scope="module")
+def gpu_code_on_cpu_job():
+  return _run("gpu_code_on_cpu", 2, timeout_s=CPU_TIMEOUT_S, devices_per_process=4,
+              env=_env(JAX_PLATFORMS="cpu"))
+
+
+CPU_CHECKS = [
+    "support_inside", "support_across", "support_without_set_mesh", "support_outside_shard_map",
+    *(f"{op}_{impl}" for op in ("all_gather_matmul", "matmul_reduce_scatter")
+      for impl in ("xla_bsp", "xla_ring", "auto")),
+    "flash_decode_xla_bsp", "flash_decode_auto", "all_gather_matmul_tp_across", "model_auto",
+]
+
+
+@pytest.mark.parametrize("name", CPU_CHECKS)
+def test_two_processes_on_cpu(cpu_job, name):
+  """support_*: platform.axis_process_reason inside shard_map (None for "tp"
+  inside a process, a reason for an axis across processes or with no devices
+  in sight); the ops over ("dp", "tp") = (2, 4) against float64 NumPy;
+  all_gather_matmul with "tp" across the processes; model_auto: forward,
+  training gradients and 8 decode steps."""
+  _assert_passed(cpu_job, name)
+
+
+def test_two_processes_on_cpu_exit_cleanly(cpu_job):
+  _assert_clean(cpu_job)
+
+
+def test_gpu_checks_run_on_cpu(gpu_code_on_cpu_job):
+  """The GPU scenarios' code, with tiny shapes and the XLA paths."""
+  _assert_clean(gpu_code_on_cpu_job)
+  for name, _ in _checks(gpu_code_on_cpu_job)[0].items():
+    _assert_passed(gpu_code_on_cpu_job, name)
+
+
+# --- GPUs (the 4-GPU machine) ------------------------------------------------------
+
+GPU_TIMEOUT_S = 480
+_NVSHMEM = "--xla_gpu_experimental_enable_nvshmem"
+
+
+def _gpu_env(nvshmem: bool) -> dict[str, str]:
+  # This pytest process already holds GPU memory (conftest looks at the GPUs):
+  # the workers allocate as they go instead of taking 75% of each GPU up front.
+  flags = os.environ.get("XLA_FLAGS", "") + (f" {_NVSHMEM}" if nvshmem else "")
+  return _env(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)
+
+
+def _four_gpus():
+  if len(jax.devices()) < 4:
+    pytest.skip(f"needs 4 GPUs, found {len(jax.devices())}")
+
+
+def _gpu_job(scenario, num_processes, gpus_per_process, nvshmem):
+  result = _run(scenario, num_processes, GPU_TIMEOUT_S, gpus_per_process=gpus_per_process,
+                env=_gpu_env(nvshmem))
+  print(result.text())  # every process's output, shown with -s or on failure
+  return result
+
+
+GPU_INSIDE_CHECKS = ["support_inside", "all_gather_matmul_pallas", "flash_decode_pallas",
+                     "all_gather_matmul_auto", "flash_decode_auto",
+                     "matmul_reduce_scatter_pallas", "layer_scan_pallas"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(2 * GPU_TIMEOUT_S + 120, method="thread")
+@pytest.mark.parametrize("nvshmem", [False, True], ids=["metadata", "nvshmem"])
+def test_gpu_tp_inside_processes(nvshmem):
+  """2 processes x 2 GPUs, ("dp", "tp") = (2, 2): the kernels on "tp" inside
+  each process against impl="xla_bsp" element by element, repeated calls, a
+  layer scan; then 1 process x 2 GPUs, the same program, as the baseline.
+  The TIME lines of both (back-to-back µs per call) are printed for the
+  comparison with single-process speed; not asserted. With and without
+  NVSHMEM enabled in XLA (Mosaic GPU then addresses peers through it)."""
+  _four_gpus()
+  job = _gpu_job("gpu_tp_inside", 2, 2, nvshmem)
+  baseline = _gpu_job("gpu_tp_inside", 1, 2, nvshmem)
+  times = [[line for line in lines if line.startswith("TIME")]
+           for lines in (*job.outputs, baseline.outputs[0])]
+  print("2 x 2 GPU timings, process 0 / process 1 / 1 x 2 baseline:", *times, sep="\n")
+  skipped = []
+  for name in GPU_INSIDE_CHECKS:
+    try:
+      _assert_passed(job, name)
+    except pytest.skip.Exception as e:
+      skipped.append(f"{name}: {e}")
+  _assert_clean(job)
+  _assert_clean(baseline)
+  if skipped:
+    print("skipped:", *skipped, sep="\n")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
+def test_gpu_tp_across_processes():
+  """4 processes x 1 GPU, "tp" across them: the kernels refused with the
+  reason (auto -> xla_bsp, pallas raises), results, repeated calls and a layer
+  scan equal to impl="xla_bsp"."""
+  _four_gpus()
+  job = _gpu_job("gpu_tp_across", 4, 1, nvshmem=False)
+  for name in ("across_refused", "all_gather_matmul_auto", "flash_decode_auto",
+               "layer_scan_auto"):
+    _assert_passed(job, name)
+  _assert_clean(job)
