@@ -231,12 +231,22 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
     best = min(best, (time.perf_counter() - start) / iterations)
   result = {"dispatch_ms": best * 1e3, "cupti_ms": None, "kernels": ()}
   if harness.cupti_available():
+    # The profiler calls its function twice (a warmup, then the measured
+    # call): each call must take the state the one before it left, since a
+    # donated input is gone after one use.
+    state = {"args": args}
+
+    def step():
+      out = fn(*state["args"])
+      state["args"] = advance(state["args"], out)
+      return out
+
     per_call = []
     for _ in range(iterations):
-      ms, kernels, out = _cupti_per_call(fn, args, devices)
-      args = advance(args, out)
+      ms, kernels, _ = _cupti_per_call(step, (), devices)
       per_call.append(ms)
     result.update(cupti_ms=statistics.median(per_call), kernels=kernels)
+    args = state["args"]
   return result, jax.block_until_ready(args)
 
 
@@ -312,7 +322,9 @@ def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline:
             "shape": case.shape, "batch": case.batch, "seq": case.seq,
             "variant": case.variant.name, "impl": case.variant.impl,
             "decode_impl": transformer.decode_impl_for(case.variant.impl, case.variant.decode_impl),
-            "attention": transformer.attention_impl(config.dtype),
+            "attention": (transformer.training_attention_impl(config.dtype, case.d)
+                          if case.step == "train" else transformer.attention_impl(config.dtype)),
+            "shardy": bool(jax.config.jax_use_shardy_partitioner),
             "tokens_per_call": _tokens_per_call(case.step, case.batch, case.seq),
             "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
   if time.monotonic() > deadline:
@@ -430,6 +442,14 @@ def main(argv) -> None:
   start = time.monotonic()
   deadline = start + _TIME_BUDGET_S.value
   on_gpu = harness.cupti_available()
+  if on_gpu:
+    # jax 0.11.2's Shardy partitioner crashes XLA's compiler on the training
+    # step's cuDNN attention backward at D >= 2 (transformer.
+    # training_attention_impl); GSPMD compiles it, so both variants train
+    # with cuDNN attention here.
+    jax.config.update("jax_use_shardy_partitioner", False)
+    print("transformer: GSPMD partitioner (Shardy off): cuDNN attention in every step",
+          flush=True)
   models, shapes, sizes, layers, iterations = _plan(on_gpu)
   everything = spmd.mesh()
   device = f"{everything.size} x {everything.devices.flat[0].device_kind}"

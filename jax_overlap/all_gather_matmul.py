@@ -37,6 +37,9 @@ class Problem:
   n_shard: int
   dtype: np.dtype
   config: object | None
+  # Why the axis's devices are not all in this process (the kernels need
+  # them to be), or None: `platform.axis_process_reason`.
+  process_reason: str | None = None
 
 
 def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
@@ -48,7 +51,7 @@ def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
 
 
 def _pallas_support(p: Problem) -> str | None:
-  return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
+  return platform.hopper_unavailable_reason() or p.process_reason or kernel.unsupported_reason(
       p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
 
 
@@ -157,7 +160,9 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
       these shapes here.
     TypeError: unsupported or mismatched dtypes.
   """
-  problem = _bind(x, w, _validate.bound_axis_size(axis_name), config)
+  problem = dataclasses.replace(
+      _bind(x, w, _validate.bound_axis_size(axis_name), config),
+      process_reason=platform.axis_process_reason(axis_name))
   choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
   if choice.impl == "pallas":
     return _pallas(x, w, axis_name, return_gathered, problem)

@@ -34,6 +34,9 @@ class Problem:
   s_shard: int
   dtype: np.dtype
   config: object | None
+  # Why the axis's devices are not all in this process (the kernels need
+  # them to be), or None: `platform.axis_process_reason`.
+  process_reason: str | None = None
 
 
 def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
@@ -44,7 +47,7 @@ def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
 
 
 def _pallas_support(p: Problem) -> str | None:
-  return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
+  return platform.hopper_unavailable_reason() or p.process_reason or kernel.unsupported_reason(
       p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard, p.dtype, _kernel_config(p))
 
 
@@ -142,7 +145,9 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       multiple of Hkv, an impl that cannot run these shapes here.
     TypeError: unsupported or mismatched dtypes, non-integer kv_lens.
   """
-  problem = _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config)
+  problem = dataclasses.replace(
+      _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config),
+      process_reason=platform.axis_process_reason(axis_name))
   choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)

@@ -35,6 +35,9 @@ class Problem:
   dtype: np.dtype
   reduce_in_float32: bool
   config: object | None
+  # Why the axis's devices are not all in this process (the kernels need
+  # them to be), or None: `platform.axis_process_reason`.
+  process_reason: str | None = None
 
 
 def _kernel_config(p: Problem) -> kernel.MatmulReduceScatterConfig:
@@ -48,7 +51,7 @@ def _pallas_support(p: Problem) -> str | None:
   if p.reduce_in_float32:
     return ("the fused kernel adds the partial sums in x's dtype; reduce_in_float32=True"
             " needs an XLA path.")
-  return platform.hopper_unavailable_reason() or kernel.unsupported_reason(
+  return platform.hopper_unavailable_reason() or p.process_reason or kernel.unsupported_reason(
       p.m // p.axis_size, p.k_shard, p.n, p.dtype, _kernel_config(p))
 
 
@@ -180,7 +183,9 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       D, an impl that cannot run these shapes here.
     TypeError: unsupported or mismatched dtypes.
   """
-  problem = _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config)
+  problem = dataclasses.replace(
+      _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config),
+      process_reason=platform.axis_process_reason(axis_name))
   choice = _choose(problem, impl)
   if choice.impl == "pallas":
     return _fused(x, w, axis_name, _kernel_config(problem))

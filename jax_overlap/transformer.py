@@ -222,6 +222,23 @@ def attention_impl(dtype, override: str | None = None) -> str:
   return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
 
 
+def training_attention_impl(dtype, axis_size: int, override: str | None = None) -> str:
+  """The attention implementation of `loss` (the differentiated entry point).
+
+  As `attention_impl`, except that with D >= 2 under JAX's Shardy partitioner
+  (the default in jax 0.11.2) it takes "xla" instead of "cudnn": Shardy's
+  partitioning of cuDNN attention's backward pass in this model (shard_map
+  over the axis, layers under lax.scan) crashes XLA's compiler with a
+  segmentation fault (4x H100, 2026-11-26; benchmarks/NOTES.md, model v1).
+  With `jax.config.update("jax_use_shardy_partitioner", False)` cuDNN is
+  taken and compiles. An explicit `override` always wins.
+  """
+  impl = attention_impl(dtype, override)
+  if override is None and impl == "cudnn" and axis_size >= 2 and jax.config.jax_use_shardy_partitioner:
+    return "xla"
+  return impl
+
+
 def decode_impl_for(impl: str, decode_impl: str | None = None) -> str:
   """The `flash_decode` impl a model with collective `impl` uses: `decode_impl`
   if given, else `impl` where flash_decode has it, else "xla_bsp" (flash_decode
@@ -247,7 +264,9 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
   qkv_cols = c.kv_heads // d * (c.group + 2) * c.head_dim
   lines = [f"attention: jax.nn.dot_product_attention(implementation="
-           f"{attention_impl(c.dtype, attention)!r})"]
+           f"{attention_impl(c.dtype, attention)!r})",
+           f"training attention (loss, its gradients): implementation="
+           f"{training_attention_impl(c.dtype, d, attention)!r}"]
 
   def ops(rows: int, what: str):
     return [
@@ -412,6 +431,7 @@ def loss(params, tokens, labels, *, config: TransformerConfig, axis_name: str, m
     A float32 scalar. Differentiable: gradients run through the ops' VJPs.
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, None, attention)
+  ops = dataclasses.replace(ops, attention=training_attention_impl(config.dtype, d, attention))
   _check_tokens(tokens, d)
 
   def body(params, tokens, labels):

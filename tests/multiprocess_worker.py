@@ -26,6 +26,7 @@ Scenarios:
     repeated calls and a layer scan against impl="xla_bsp".
 """
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -210,56 +211,46 @@ def check_flash_decode(mesh: Mesh, impl: str):
 
 
 def check_model(mesh: Mesh, impl: str):
-  """The model's training gradients, forward (prefill) pass and decode steps
-  over "tp" of `mesh` (other axes replicate), equal to the single-process
-  results. The only part of this file that knows the model's API."""
-  config = transformer.TransformerConfig(hidden=64, q_heads=8, kv_heads=4, head_dim=16,
-                                         ffn=128, dtype=jnp.float32)
-  layers, batch, seq = 2, 4, 8
+  """The model's loss and gradients, prefill and decode steps over "tp" of
+  `mesh` (other axes replicate), equal to the same program on this process's
+  devices alone (the single-process result). The only part of this file that
+  knows the model's API."""
+  config = dataclasses.replace(transformer.MODELS["tiny"], dtype=jnp.float32)
+  layers, batch, seq, cache_len = 2, 4, 8, 16
   gen = rng("model", impl)
-  host = {n: np.asarray(a) for n, a in
-          transformer.init_params(jax.random.key(int(gen.integers(2**31))), config,
-                                  layers).items()}
-  x = gen.standard_normal((batch, seq, config.hidden)).astype(np.float32)
-  want = reference.transformer(host, x, q_heads=config.q_heads, kv_heads=config.kv_heads,
-                               eps=config.eps)
-  specs = transformer.param_specs("tp")
+  host = jax.tree.map(np.asarray, transformer.init_params(
+      jax.random.key(int(gen.integers(2**31))), config, layers))
+  tokens = gen.integers(0, config.vocab, (batch, seq)).astype(np.int32)
+  labels = gen.integers(0, config.vocab, (batch, seq)).astype(np.int32)
+  lengths = np.array([seq, seq - 3, 1, seq - 1], np.int32)
   ops = dict(config=config, axis_name="tp", impl=impl)
-  x_spec = P(None, "tp", None)
-
-  def loss(params, x, mesh):
-    return jnp.mean(transformer.forward(params, x, mesh=mesh, **ops) ** 2)
+  specs = transformer.param_specs("tp")
 
   def run(mesh):
-    """(forward, gradients) over `mesh`, gathered."""
+    """(loss, gradients, prefill logits, decode logits of 3 steps), gathered."""
     with jax.set_mesh(mesh):
-      params = {n: put(mesh, a, specs[n]) for n, a in host.items()}
-      xs = put(mesh, x, x_spec)
-      out = jax.jit(functools.partial(transformer.forward, **ops))(params, xs)
-      grads = jax.jit(jax.grad(functools.partial(loss, mesh=mesh)))(params, xs)
-    return gather(out), {n: gather(g) for n, g in grads.items()}
+      params = jax.tree.map(lambda a, spec: put(mesh, a, spec), host, specs)
+      value, grads = jax.jit(functools.partial(transformer.loss_and_grads, **ops))(
+          params, put(mesh, tokens, P()), put(mesh, labels, P()))
+      logits, cache = jax.jit(functools.partial(transformer.prefill, cache_len=cache_len, **ops))(
+          params, put(mesh, tokens, P()), put(mesh, lengths, P()))
+      step = jax.jit(functools.partial(transformer.decode_step, **ops))
+      steps = []
+      for t in range(3):
+        out, cache = step(params, put(mesh, tokens[:, t], P()), cache)
+        steps.append(gather(out))
+    return (gather(value), jax.tree.map(gather, grads), gather(logits), steps)
 
-  out, grads = run(mesh)
-  reference.assert_close(out, want, np.float32, what="forward")
-  # The same program on this process's devices alone: the single-process result.
+  got = run(mesh)
   local = Mesh(np.array(jax.local_devices()), ("tp",), axis_types=(AxisType.Explicit,))
-  _, local_grads = run(local)
-  for n in host:
-    reference.assert_close(grads[n], local_grads[n], np.float32, what=f"gradient of {n}")
-
-  # Decode token by token from a cache full of garbage: step t equals the
-  # forward pass at position t.
-  cache_shape = (layers, batch, seq, config.kv_heads, config.head_dim)
-  garbage = rng("garbage").standard_normal(cache_shape).astype(np.float32) * 100
-  cache_spec = P(None, None, "tp", None, None)
-  step = jax.jit(functools.partial(transformer.decode_step, **ops))
-  with jax.set_mesh(mesh):
-    params = {n: put(mesh, a, specs[n]) for n, a in host.items()}
-    cache_k, cache_v = put(mesh, garbage, cache_spec), put(mesh, -garbage, cache_spec)
-    for t in range(seq):
-      y, cache_k, cache_v = step(params, put(mesh, x[:, t], P()), cache_k, cache_v,
-                                 put(mesh, np.full((batch,), t, np.int32), P()))
-      reference.assert_close(gather(y), want[:, t], np.float32, what=f"decode step {t}")
+  want = run(local)
+  reference.assert_close(got[0], want[0], np.float32, what="loss")
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got[1])[0],
+                          jax.tree.leaves(want[1])):
+    reference.assert_close(g, w, np.float32, what=f"gradient {jax.tree_util.keystr(path)}")
+  reference.assert_close(got[2], want[2], np.float32, what="prefill logits")
+  for t, (g, w) in enumerate(zip(got[3], want[3])):
+    reference.assert_close(g, w, np.float32, what=f"decode step {t}")
 
 
 def scenario_cpu():
