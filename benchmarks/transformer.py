@@ -200,10 +200,21 @@ def _check_memory(compiled, unallocated_bytes: int) -> dict:
 
 
 def _cupti_per_call(fn, args, devices: int):
-  """(ms per device, kernels) of one call of fn(*args) by CUPTI, and its outputs."""
+  """(ms per device, kernels) of one call of fn(*args) by CUPTI, and its outputs.
+
+  `profiler.measure` calls its function twice (a warmup first), which a step
+  that donates its state cannot take, and jits a function that is not
+  compiled yet; so this runs CUPTI around exactly one call of the compiled,
+  already warm `fn`, as `profiler.measure` does inside (jax 0.11.2's
+  `Cupti.measure`: `_cupti_init`, the call, `_cupti_get_timings`)."""
   from jax.experimental.mosaic.gpu import profiler  # GPU only.
-  out, timings = profiler.measure(fn, aggregate=False, iterations=1)(*args)
-  if timings is None:
+  ext = profiler.mosaic_gpu_lib._mosaic_gpu_ext  # pylint: disable=protected-access
+  ext._cupti_init()  # pylint: disable=protected-access
+  try:
+    out = jax.block_until_ready(fn(*args))
+  finally:
+    timings = ext._cupti_get_timings(profiler.Cupti.finalize)  # pylint: disable=protected-access
+  if not timings:
     raise RuntimeError("CUPTI saw no kernel launch: nothing ran on the GPU.")
   kernels = tuple(harness.Kernel(name, ms * 1e3) for name, ms in timings)
   return sum(k.us for k in kernels) / 1e3 / devices, kernels, out
@@ -231,22 +242,12 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
     best = min(best, (time.perf_counter() - start) / iterations)
   result = {"dispatch_ms": best * 1e3, "cupti_ms": None, "kernels": ()}
   if harness.cupti_available():
-    # The profiler calls its function twice (a warmup, then the measured
-    # call): each call must take the state the one before it left, since a
-    # donated input is gone after one use.
-    state = {"args": args}
-
-    def step():
-      out = fn(*state["args"])
-      state["args"] = advance(state["args"], out)
-      return out
-
     per_call = []
     for _ in range(iterations):
-      ms, kernels, _ = _cupti_per_call(step, (), devices)
+      ms, kernels, out = _cupti_per_call(fn, args, devices)
+      args = advance(args, out)
       per_call.append(ms)
     result.update(cupti_ms=statistics.median(per_call), kernels=kernels)
-    args = state["args"]
   return result, jax.block_until_ready(args)
 
 
@@ -442,13 +443,13 @@ def main(argv) -> None:
   start = time.monotonic()
   deadline = start + _TIME_BUDGET_S.value
   on_gpu = harness.cupti_available()
-  if on_gpu:
+  if on_gpu and "train" in _STEPS.value:
     # jax 0.11.2's Shardy partitioner crashes XLA's compiler on the training
     # step's cuDNN attention backward at D >= 2 (transformer.
     # training_attention_impl); GSPMD compiles it, so both variants train
     # with cuDNN attention here.
     jax.config.update("jax_use_shardy_partitioner", False)
-    print("transformer: GSPMD partitioner (Shardy off): cuDNN attention in every step",
+    print("transformer: GSPMD partitioner (Shardy off): cuDNN attention in the training step",
           flush=True)
   models, shapes, sizes, layers, iterations = _plan(on_gpu)
   everything = spmd.mesh()
