@@ -8,7 +8,9 @@ x @ w, [M / D, N].
 
 Cases:
   ours      pallas: the fused kernel, run whenever `explain(impl="pallas")`
-            accepts (Hopper), also while "auto" does not take it yet;
+            accepts (Hopper), also where "auto" does not take it;
+            pallas_staged: the same with its epilogue staging each tile
+            whole (`staged_epilogue`, experimental);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -32,6 +34,8 @@ from benchmarks import harness
 from benchmarks import runner
 from benchmarks import shapes
 from benchmarks import spmd
+from pallas_kernels import matmul_reduce_scatter as rs_kernel
+from pallas_kernels import platform
 
 AXIS = spmd.AXIS
 X_SPEC = P(None, AXIS)      # x [M, D * K_shard]: columns (K) sharded
@@ -46,8 +50,9 @@ def setup(shape: shapes.MatmulReduceScatterShape, mesh) -> cases.Operands:
                                (d * shape.k_shard, shape.n), W_SPEC, DTYPE)
 
 
-def _ours_fn(mesh, impl: str):
-  body = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl=impl)
+def _ours_fn(mesh, impl: str, config=None):
+  body = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl=impl,
+                           config=config)
   return spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC)
 
 
@@ -59,13 +64,21 @@ def _user_bsp(x, w):
   return lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True)
 
 
-def _pallas(mesh, explain, args) -> runner.Built:
+def _pallas(mesh, explain, args, config=None) -> runner.Built:
   cases.require_hopper("our kernel")
   try:
-    choice = explain("pallas")
+    choice = explain("pallas", config)
   except ValueError as e:  # the kernel cannot run this shape: say why
     raise runner.Skip(str(e)) from e
-  return runner.Built(_ours_fn(mesh, "pallas"), args, {"explain": str(choice)})
+  return runner.Built(_ours_fn(mesh, "pallas", config), args,
+                      {"explain": str(choice), "config": repr(config)})
+
+
+def _staged_config(shape: shapes.MatmulReduceScatterShape, mesh):
+  cases.require_hopper("our kernel")
+  return rs_kernel.staged_epilogue(rs_kernel.default_config(
+      shape.m // mesh.size, shape.k_shard, shape.n, DTYPE, axis_size=mesh.size,
+      num_sms=platform.num_sms()))
 
 
 def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
@@ -79,10 +92,10 @@ def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runne
 def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> list[runner.Case]:
   mesh, inputs = ctx.mesh, ctx.inputs
   args = (inputs.x, inputs.w)
-  explain = lambda impl: jax_overlap.explain_matmul_reduce_scatter(
+  explain = lambda impl, config=None: jax_overlap.explain_matmul_reduce_scatter(
       jax.ShapeDtypeStruct((shape.m, shape.k_shard), DTYPE),
       jax.ShapeDtypeStruct((shape.k_shard, shape.n), DTYPE),
-      axis_size=mesh.size, impl=impl)
+      axis_size=mesh.size, impl=impl, config=config)
   ours = lambda impl: runner.Built(_ours_fn(mesh, impl), args)
   user_bsp = lambda: runner.Built(
       spmd.per_shard(_user_bsp, mesh, (X_SPEC, W_SPEC), OUT_SPEC), args)
@@ -91,6 +104,8 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       spmd.per_shard(jnp.dot, mesh, (X_SPEC, W_SPEC), P(AXIS, None)), args)
   return [
       runner.Case("pallas", "ours", lambda: _pallas(mesh, explain, args)),
+      runner.Case("pallas_staged", "ours",
+                  lambda: _pallas(mesh, explain, args, _staged_config(shape, mesh))),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -117,7 +132,7 @@ OP = runner.OpSpec(
     comm_alone="reduce_scatter_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
-    contenders=("pallas", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+    contenders=("pallas", "pallas_staged", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

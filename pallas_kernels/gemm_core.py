@@ -44,6 +44,13 @@ class GemmTiles:
     wg_split: how the two compute warpgroups share a CTA tile: "n" puts them
       side by side ([tile_m, 2 * tile_n]), "m" stacks them ([2 * tile_m, tile_n]).
     epi_tile_m, epi_tile_n: the epilogue's store granule.
+    epi_slots: shared-memory slots per compute warpgroup that the epilogue's
+      granules alternate through; a granule waits until the store of the one
+      `epi_slots` before it has read its slot. One slot holding the whole
+      warpgroup tile (epi_tile = tile) lets the epilogue return as soon as
+      the tile is in shared memory, its stores draining under the next tile's
+      K loop: for stores into a peer, which read shared memory at NVLink
+      speed (benchmarks/NOTES.md, RS v2).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -52,6 +59,7 @@ class GemmTiles:
   wg_split: Literal["m", "n"] = "n"
   epi_tile_m: int = 64
   epi_tile_n: int = 64
+  epi_slots: int = 2
 
   @property
   def cta_m(self) -> int:
@@ -63,7 +71,7 @@ class GemmTiles:
 
   def smem_bytes(self, itemsize: int) -> int:
     ring = self.stages * (self.cta_m + self.cta_n) * self.tile_k * itemsize
-    epilogue = 2 * 2 * self.epi_tile_m * self.epi_tile_n * itemsize
+    epilogue = 2 * self.epi_slots * self.epi_tile_m * self.epi_tile_n * itemsize
     return ring + epilogue
 
   def unsupported_reason(self, m: int, k: int, n: int, itemsize: int) -> str | None:
@@ -73,6 +81,8 @@ class GemmTiles:
     if self.tile_m % 64 or self.tile_n % 8 or self.tile_k * itemsize % 128:
       return (f"tiles (tile_m={self.tile_m}, tile_n={self.tile_n}, tile_k={self.tile_k})"
               " need tile_m % 64 == 0, tile_n % 8 == 0 and 128-byte K rows.")
+    if self.epi_slots < 1:
+      return f"epi_slots must be >= 1, got {self.epi_slots}."
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
       return "the epilogue tile must divide the warpgroup tile."
     for name, size, tile in (("M", m, self.cta_m), ("N", n, self.cta_n), ("K", k, self.tile_k)):
@@ -251,7 +261,7 @@ class TileMatmul:
     return dict(
         pipeline=self._pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
         out_smem=plgpu.SMEM(
-            (2, 2, t.epi_tile_m, t.epi_tile_n), self.out_dtype,
+            (2, t.epi_slots, t.epi_tile_m, t.epi_tile_n), self.out_dtype,
             transforms=_smem_transforms(t.epi_tile_n, self.out_dtype),
         ),
     )
@@ -360,15 +370,16 @@ class TileMatmul:
 
   def _epilogue(self, result, stores, wg_slice, smem) -> None:
     """Stores one warpgroup's tile (its `wg_slice` of each store's ref)
-    through two alternating SMEM granules, one bulk group per granule."""
+    through granules alternating over `epi_slots` SMEM slots, one bulk group
+    per granule."""
     t = self.tiles
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     granules = itertools.product(range(t.tile_m // t.epi_tile_m), range(t.tile_n // t.epi_tile_n))
     for i, (gm, gn) in enumerate(granules):
       rows = slice(gm * t.epi_tile_m, (gm + 1) * t.epi_tile_m)
       cols = slice(gn * t.epi_tile_n, (gn + 1) * t.epi_tile_n)
-      slot = i % 2
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      slot = i % t.epi_slots
+      plgpu.wait_smem_to_gmem(t.epi_slots - 1, wait_read_only=True)
       smem[slot] = result[rows, cols]
       plgpu.commit_smem()
       # Each granule is one bulk group, whichever stores ran.

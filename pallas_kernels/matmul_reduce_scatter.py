@@ -100,6 +100,20 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   return MatmulReduceScatterConfig(tiles, strip)
 
 
+def staged_epilogue(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
+  """`config` with each warpgroup's tile staged whole in shared memory (one
+  epilogue slot of the warpgroup tile), the ring one stage shallower to make
+  room, so that the compute warpgroups do not wait for their stores into
+  peers to drain over NVLink (benchmarks/NOTES.md, RS v2: the measured excess
+  over the GEMM is about the partials' NVLink time). Experimental: not yet
+  measured against `config`; a ring of 3 stages also stops it running on
+  across tiles when the K steps are not a multiple of 3."""
+  t = config.tiles
+  tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=t.tile_m,
+                              epi_tile_n=t.tile_n, epi_slots=1)
+  return dataclasses.replace(config, tiles=tiles)
+
+
 def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
                        config: MatmulReduceScatterConfig) -> str | None:
   """None if the kernel can run this per-shard problem (`rows` = M / D rows

@@ -192,3 +192,45 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
 def test_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     _config(64, "n").strip_chunks = 2  # type: ignore[misc]
+
+
+# --- the staged epilogue (one slot holding the warpgroup's whole tile) ---------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("d,index,tile_n,rows,k,num_sms", [
+    (2, 1, 128, 128, 192, 3),
+    (3, 0, 64, 100, 256, 4),
+], ids=["D2-dev1-tn128", "D3-dev0-tn64-padded"])
+def test_staged_epilogue_partials_match_float64(d, index, tile_n, rows, k, num_sms, interpreter):
+  config = rs.staged_epilogue(_config(tile_n, "n"))
+  t = config.tiles
+  assert (t.epi_tile_m, t.epi_tile_n, t.epi_slots, t.stages) == (t.tile_m, t.tile_n, 1, 2)
+  rng = testkit.rng("rs-staged", d, index)
+  x = rng.standard_normal((d * rows, k)).astype(BF16)
+  w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(BF16)
+  out = rs.matmul_reduce_scatter(x, w, config=config, num_sms=num_sms,
+                                 standalone=rs.Standalone(index, d), interpret=interpreter())
+  for step in range(d):
+    owner = (index + 1 + step) % d
+    testkit.assert_matmul_close(out[step], x[owner * rows:(owner + 1) * rows], w, BF16)
+
+
+@pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (8192, 4096, 7168))],
+                         ids=["D2-2048x4096x4096", "D4-8192x4096x7168"])
+def test_staged_epilogue_fits_and_lowers_at_the_benchmark_shapes(d, shape):
+  """The staged config of the default tiles fits in shared memory (the ring
+  one stage shallower) and its exchange lowers for CUDA."""
+  m, k, n = shape
+  config = rs.staged_epilogue(rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  assert config.tiles.epi_slots == 1 and config.tiles.epi_tile_n == config.tiles.tile_n
+  assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  mesh = jax.make_mesh((d,), ("x",))
+  f = jax.jit(jax.shard_map(
+      lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
+      mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  assert "mosaic_gpu" in module
