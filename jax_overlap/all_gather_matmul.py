@@ -97,12 +97,8 @@ def _pallas(x, w, axis_name, return_gathered, problem):
   return _fused(x, w, axis_name, _kernel_config(problem), return_gathered)
 
 
-_TABLE = {
-    "pallas": _pallas_support,
-    "xla_bsp": dispatch.always,
-    "xla_ring": dispatch.always,
-}
-_AUTO_ORDER = ("pallas", "xla_bsp")
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support), "xla_bsp": dispatch.Impl(),
+                       "xla_ring": dispatch.Impl()}, ("pallas", "xla_bsp"))
 _XLA = {
     "xla_bsp": xla_paths.all_gather_matmul_bsp,
     "xla_ring": xla_paths.all_gather_matmul_ring,
@@ -128,7 +124,7 @@ def explain(x, w, *, axis_size: int, impl: str = "auto", config=None) -> dispatc
 
   `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
   """
-  return dispatch.choose(OP, impl, _bind(x, w, axis_size, config), _TABLE, _AUTO_ORDER)
+  return _OP.choose(impl, _bind(x, w, axis_size, config))
 
 
 def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
@@ -163,7 +159,7 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
   problem = dataclasses.replace(
       _bind(x, w, _validate.bound_axis_size(axis_name), config),
       process_reason=platform.axis_process_reason(axis_name))
-  choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  choice = _OP.choose(impl, problem)
   if choice.impl == "pallas":
     return _pallas(x, w, axis_name, return_gathered, problem)
   return _XLA[choice.impl](x, w, axis_name, return_gathered)

@@ -56,11 +56,11 @@ def _pallas_bsp_support(p: Problem) -> str | None:
       p.head_dim, p.s_shard, p.dtype)
 
 
-_TABLE = {"pallas": _pallas_support, "pallas_bsp": _pallas_bsp_support,
-          "xla_bsp": dispatch.always}
-# The fused kernel; else, on an NVIDIA GPU, a fast local kernel and an
+# "auto": the fused kernel; else, on an NVIDIA GPU, a fast local kernel and an
 # all-gather (XLA's einsum attention is ~3x slower than a local kernel); else XLA.
-_AUTO_ORDER = ("pallas", "pallas_bsp", "xla_bsp")
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support),
+                       "pallas_bsp": dispatch.Impl(_pallas_bsp_support),
+                       "xla_bsp": dispatch.Impl()}, ("pallas", "pallas_bsp", "xla_bsp"))
 
 
 def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
@@ -102,7 +102,7 @@ def explain(q, k, v, kv_lens=None, *, axis_size: int, impl: str = "auto",
   one ("pallas", then "pallas_bsp"), the sentence saying why it cannot run.
   """
   problem = _bind(q, k, v, kv_lens, axis_size, config)
-  return dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  return _OP.choose(impl, problem)
 
 
 def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
@@ -148,7 +148,7 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
   problem = dataclasses.replace(
       _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config),
       process_reason=platform.axis_process_reason(axis_name))
-  choice = dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER)
+  choice = _OP.choose(impl, problem)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)
   if choice.impl == "pallas":  # kv_lens=None: no lengths input, no masking

@@ -107,13 +107,9 @@ def _fused_bwd(axis_name, config, residuals, d_out):
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
-_TABLE = {
-    "pallas": _pallas_support,
-    "xla_bsp": dispatch.always,
-    "xla_ring": dispatch.always,
-}
-_AUTO_ORDER = ("pallas", "xla_bsp")
-_AUTO_RULES = {"pallas": _pallas_auto_rule}
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, _pallas_auto_rule),
+                       "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
+                  ("pallas", "xla_bsp"))
 _XLA = {
     "xla_bsp": xla_paths.matmul_reduce_scatter_bsp,
     "xla_ring": xla_paths.matmul_reduce_scatter_ring,
@@ -138,17 +134,13 @@ def _bind(x, w, axis_size: int, reduce_in_float32: bool, config) -> Problem:
   return Problem(axis_size, m, k_shard, n, jnp.dtype(x.dtype), bool(reduce_in_float32), config)
 
 
-def _choose(problem: Problem, impl: str) -> dispatch.Choice:
-  return dispatch.choose(OP, impl, problem, _TABLE, _AUTO_ORDER, _AUTO_RULES)
-
-
 def explain(x, w, *, axis_size: int, impl: str = "auto", reduce_in_float32: bool = False,
             config=None) -> dispatch.Choice:
   """The implementation `matmul_reduce_scatter` would use, without running it.
 
   `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
   """
-  return _choose(_bind(x, w, axis_size, reduce_in_float32, config), impl)
+  return _OP.choose(impl, _bind(x, w, axis_size, reduce_in_float32, config))
 
 
 def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
@@ -186,7 +178,7 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
   problem = dataclasses.replace(
       _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config),
       process_reason=platform.axis_process_reason(axis_name))
-  choice = _choose(problem, impl)
+  choice = _OP.choose(impl, problem)
   if choice.impl == "pallas":
     return _fused(x, w, axis_name, _kernel_config(problem))
   return _XLA[choice.impl](x, w, axis_name, reduce_in_float32)

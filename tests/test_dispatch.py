@@ -144,11 +144,11 @@ def test_auto_rules_apply_to_auto_only():
   """An impl that runs a problem but whose auto rule declines it is named in
   `rejected` under auto, and still runs when named."""
   from jax_overlap import dispatch  # pylint: disable=import-outside-toplevel
-  table = {"fast": dispatch.always, "slow": dispatch.always}
-  rules = {"fast": lambda p: f"measured slower at {p}."}
-  auto = dispatch.choose("op", "auto", "shape", table, ("fast", "slow"), rules)
+  op = dispatch.Op("op", {"fast": dispatch.Impl(auto_rule=lambda p: f"measured slower at {p}."),
+                          "slow": dispatch.Impl()}, ("fast", "slow"))
+  auto = op.choose("auto", "shape")
   assert auto == jax_overlap.Choice("op", "auto", "slow", (("fast", "measured slower at shape."),))
-  assert dispatch.choose("op", "fast", "shape", table, ("fast", "slow"), rules).impl == "fast"
+  assert op.choose("fast", "shape").impl == "fast"
 
 
 def test_matmul_reduce_scatter_in_float32_is_an_xla_path():
