@@ -44,6 +44,14 @@ def _hopper_skip_reason() -> str | None:
   )
 
 
+def pytest_generate_tests(metafunc):
+  """A test class's CASES parametrize its tests' `case` argument (the shared
+  per-op bases, e.g. matmul_op_base.MatmulOpTests)."""
+  cases = getattr(metafunc.cls, "CASES", None)
+  if "case" in metafunc.fixturenames and cases:
+    metafunc.parametrize("case", cases, ids=testkit.matmul_case_id)
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   gpu_items = [item for item in items if item.get_closest_marker("gpu")]
