@@ -32,7 +32,7 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
-STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan kernel_profile}"
+STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile}"
 
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
@@ -60,6 +60,8 @@ for bench in matmul_reduce_scatter flash_decode; do
   step "$bench" python3 -m "benchmarks.$bench" --out_dir="$OUT" --iterations="$ITERATIONS"
 done
 step layer_scan python3 -m benchmarks.layer_scan --out_dir="$OUT" --iterations="$ITERATIONS"
+# The whole model, fused against BSP (the BSP decode on the fast local kernel).
+step transformer python3 -m benchmarks.transformer --out_dir="$OUT"
 # In-kernel timelines (benchmarks/kernel_profile.py) at a shape of each kernel.
 step kernel_profile bash -c 'python3 -m benchmarks.kernel_profile --op=all_gather_matmul \
     --shape=1024,4096,4096 --trace_dir="$0/traces" && python3 -m benchmarks.kernel_profile \

@@ -3,15 +3,15 @@ same model on the best BSP paths, per step, at several axis sizes in one call.
 
     python -m benchmarks.transformer [--quick] [--models=70b,8b] [--steps=train,prefill,decode]
         [--axis_sizes=4,2] [--model_layers=8] [--iterations=0] [--time_budget_s=540]
-        [--decode_bsp_impl=xla_bsp] [--out_dir=benchmarks/results] [--fresh]
+        [--decode_bsp_impl=pallas_bsp] [--out_dir=benchmarks/results] [--fresh]
 
 Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
   fused  impl="auto" for every collective op and flash_decode: our Pallas
          kernels where `explain` picks them, else XLA.
   bsp    impl="xla_bsp" (NCCL collective, then cuBLAS GEMM) and flash_decode
-         impl=--decode_bsp_impl (the local decode attention, then an exchange
-         and the log-sum-exp merge; "xla_bsp" until a faster local kernel has a
-         name there).
+         impl=--decode_bsp_impl (by default on GPUs "pallas_bsp": the Triton
+         local decode kernel, then an all-gather of the partials and the
+         log-sum-exp merge; "xla_bsp" elsewhere).
 Steps (random weights, `--model_layers` layers under lax.scan, bf16 on GPU):
   train    loss, gradients through the ops' VJPs and an SGD update, over
            B x S tokens (1 x 8192 and 8 x 2048).
@@ -75,8 +75,9 @@ _LAYERS = flags.DEFINE_integer("model_layers", 0, "Layers; 0: 8 on GPUs, 2 on CP
 # benchmarks.runner's flags.
 _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 540.0,
                                     "Start no case after this many seconds.")
-_DECODE_BSP_IMPL = flags.DEFINE_string("decode_bsp_impl", "xla_bsp",
-                                       "flash_decode impl of the bsp model.")
+_DECODE_BSP_IMPL = flags.DEFINE_string(
+    "decode_bsp_impl", "", "flash_decode impl of the bsp model; empty: pallas_bsp (the Triton"
+    " local kernel, all-gather, merge) on GPUs, xla_bsp elsewhere.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _MEMORY_FRACTION = flags.DEFINE_float(
     "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
@@ -132,7 +133,8 @@ class Variant:
 
 
 def variants() -> tuple[Variant, ...]:
-  return (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", _DECODE_BSP_IMPL.value))
+  decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
+  return (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode))
 
 
 @dataclasses.dataclass(frozen=True)
