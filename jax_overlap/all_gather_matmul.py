@@ -55,6 +55,28 @@ def _pallas_support(p: Problem) -> str | None:
       p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
 
 
+# Decode-size rows against wide weights: reported 2026-11-26 (issue 30, H100,
+# Llama-family projections) at about 2x the time of XLA's BSP path at D = 2
+# and 4 with <= 128 rows and >= 8K columns per device; at 128 x 8192 x 7168 per
+# shard the kernel was still 1.05x ahead at D = 4. Until the grid measures
+# the boundary (benchmarks/auto_grid.py), "auto" keeps such shapes on BSP.
+_AUTO_BSP_MAX_ROWS = 128
+_AUTO_BSP_MIN_COLS = 8192
+
+
+def _pallas_auto_rule(p: Problem) -> str | None:
+  """The measured table for this exact problem, else the small-M rule."""
+  known, reason = tuned.auto_reason(platform.device_kind(), OP, p.axis_size, p.m_shard, p.k,
+                                    p.n_shard, p.dtype)
+  if known:
+    return reason
+  if p.m_shard <= _AUTO_BSP_MAX_ROWS and p.n_shard >= _AUTO_BSP_MIN_COLS:
+    return (f"reported about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
+            f" >= {_AUTO_BSP_MIN_COLS} columns per device ({p.m_shard} x {p.n_shard} here);"
+            " impl='pallas' runs it.")
+  return None
+
+
 def _run_kernel(x, w, axis_name, config, return_gathered: bool):
   return kernel.all_gather_matmul(x, w, axis_name=axis_name, config=config,
                                   num_sms=platform.num_sms(), return_gathered=return_gathered)
@@ -97,8 +119,9 @@ def _pallas(x, w, axis_name, return_gathered, problem):
   return _fused(x, w, axis_name, _kernel_config(problem), return_gathered)
 
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support), "xla_bsp": dispatch.Impl(),
-                       "xla_ring": dispatch.Impl()}, ("pallas", "xla_bsp"))
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, _pallas_auto_rule),
+                       "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
+                  ("pallas", "xla_bsp"))
 _XLA = {
     "xla_bsp": xla_paths.all_gather_matmul_bsp,
     "xla_ring": xla_paths.all_gather_matmul_ring,
@@ -137,7 +160,8 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
     w: [K, N_shard], this device's columns of the right operand; same dtype.
     axis_name: the mesh axis to gather over (size D), bound by shard_map. It
       may be one axis of a larger mesh.
-    impl: "auto" (the fused kernel where it applies, else "xla_bsp"),
+    impl: "auto" (the fused kernel where it applies and was not measured
+      slower than BSP, else "xla_bsp"),
       "pallas", "xla_bsp" or "xla_ring". See `explain`.
     config: a `jax_overlap.AllGatherMatmulConfig` for impl "pallas"; None
       takes the tuned one for this device kind and problem

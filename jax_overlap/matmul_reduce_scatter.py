@@ -16,6 +16,7 @@ import numpy as np
 
 from jax_overlap import _validate
 from jax_overlap import dispatch
+from jax_overlap import tuned
 from jax_overlap import xla_paths
 from pallas_kernels import matmul_reduce_scatter as kernel
 from pallas_kernels import platform
@@ -67,6 +68,11 @@ _AUTO_MIN_ROWS_MANY = 2048
 
 
 def _pallas_auto_rule(p: Problem) -> str | None:
+  """The measured table for this exact problem, else the rows rule."""
+  known, reason = tuned.auto_reason(platform.device_kind(), OP, p.axis_size, p.m, p.k_shard,
+                                    p.n, p.dtype)
+  if known:
+    return reason
   rows = p.m // p.axis_size
   least = _AUTO_MIN_ROWS.get(p.axis_size, _AUTO_MIN_ROWS_MANY)
   if rows < least:

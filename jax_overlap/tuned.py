@@ -1,11 +1,15 @@
-"""Tuned kernel configs, kept as data.
+"""Tuned kernel configs and measured `auto` choices, kept as data.
 
-One JSON file per device kind and op, `data/<device kind>/<op>.json`, maps a
-per-shard problem key (`problem_key`) to {"config": the config's `to_dict`
-form, plus the times measured when it was chosen}.
-`benchmarks/tune_all_gather_matmul.py` writes them on the GPU; `config=None`
-takes a tuned entry for the exact problem where one exists and the kernel's
-heuristic otherwise.
+Per device kind, `data/<device kind>/`:
+- `<op>.json` maps a per-shard problem key (`problem_key`) to {"config": the
+  config's `to_dict` form, plus the times measured when it was chosen};
+  `benchmarks/tune_all_gather_matmul.py` writes it on the GPU; `config=None`
+  takes a tuned entry for the exact problem where one exists and the kernel's
+  heuristic otherwise.
+- `<op>_auto.json` maps a problem key to {"impl": the faster of "pallas" and
+  "xla_bsp", "us": {impl: µs}}, measured side by side
+  (`benchmarks/auto_grid.py --write_table`); "auto" follows it for those exact
+  problems and the op's rule elsewhere.
 """
 
 import functools
@@ -47,3 +51,24 @@ def all_gather_matmul_config(device_kind: str, axis_size: int, m_shard: int, k: 
   entry = load(device_kind, "all_gather_matmul").get(
       problem_key(axis_size, m_shard, k, n_shard, dtype))
   return None if entry is None else ag_kernel.AllGatherMatmulConfig.from_dict(entry["config"])
+
+
+def auto_entry(device_kind: str, op: str, axis_size: int, m: int, k: int, n: int,
+               dtype) -> dict | None:
+  """The measured choice of "auto" for this exact problem, or None."""
+  return load(device_kind, f"{op}_auto").get(problem_key(axis_size, m, k, n, dtype))
+
+
+def auto_reason(device_kind: str, op: str, axis_size: int, m: int, k: int, n: int,
+                dtype) -> tuple[bool, str | None]:
+  """(whether the auto table has this problem, why "auto" must not take the
+  kernel here: None where the kernel was measured faster)."""
+  entry = auto_entry(device_kind, op, axis_size, m, k, n, dtype)
+  if entry is None:
+    return False, None
+  if entry["impl"] == "pallas":
+    return True, None
+  us = entry["us"]
+  return True, (f"measured slower than xla_bsp on {device_kind} for this problem"
+                f" ({us['pallas']:.1f} against {us['xla_bsp']:.1f} µs,"
+                f" {table_path(device_kind, op + '_auto').name}); impl='pallas' runs it.")

@@ -1,6 +1,7 @@
 """Which implementation runs, and why: explain_* and the DEBUG log."""
 
 import functools
+import json
 import logging
 
 import jax
@@ -176,3 +177,46 @@ def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, im
   named = jax_overlap.explain_matmul_reduce_scatter(S(m, 4096), S(4096, 7168), axis_size=d,
                                                     impl="pallas")
   assert named.impl == "pallas"
+
+
+@pytest.mark.parametrize("m_shard,n_shard,impl", [(128, 14336, "xla_bsp"), (128, 7168, "pallas"),
+                                                  (256, 14336, "pallas")])
+def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(m_shard, n_shard, impl, monkeypatch):
+  """Decode-size rows against wide weights were measured slower than BSP:
+  "auto" declines the kernel there and says why; named, it runs."""
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  args = S(m_shard, 8192), S(8192, n_shard)
+  choice = jax_overlap.explain_all_gather_matmul(*args, axis_size=4)
+  assert choice.impl == impl
+  if impl == "xla_bsp":
+    assert "slower than BSP" in dict(choice.rejected)["pallas"]
+  assert jax_overlap.explain_all_gather_matmul(*args, axis_size=4, impl="pallas").impl == "pallas"
+
+
+@pytest.mark.parametrize("winner", ["pallas", "xla_bsp"])
+def test_auto_follows_the_measured_table_for_its_exact_problems(winner, monkeypatch, tmp_path):
+  """An entry of data/<device kind>/<op>_auto.json decides "auto" for that
+  problem, against the rule (here: 64 rows per device at D = 4, which the rule
+  gives BSP); other problems keep the rule."""
+  from jax_overlap import tuned  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: "Test GPU")
+  monkeypatch.setattr(tuned, "DATA_DIR", tmp_path)
+  tuned.load.cache_clear()
+  path = tuned.table_path("Test GPU", "matmul_reduce_scatter_auto")
+  path.parent.mkdir(parents=True)
+  key = tuned.problem_key(4, 256, 4096, 7168, BF16)
+  path.write_text(json.dumps({key: {"impl": winner, "us": {"pallas": 60.0, "xla_bsp": 70.0}}}))
+  try:
+    choice = jax_overlap.explain_matmul_reduce_scatter(S(256, 4096), S(4096, 7168), axis_size=4)
+    assert choice.impl == winner
+    if winner == "xla_bsp":
+      assert "matmul_reduce_scatter_auto.json" in dict(choice.rejected)["pallas"]
+    other = jax_overlap.explain_matmul_reduce_scatter(S(512, 4096), S(4096, 7168), axis_size=4)
+    assert other.impl == "xla_bsp" and "rows per device" in dict(other.rejected)["pallas"]
+  finally:
+    tuned.load.cache_clear()

@@ -1,0 +1,260 @@
+"""Where `impl="auto"` stands against the faster of `pallas` and `xla_bsp`, on a
+grid of Llama-3-like projections at every size of rows per device.
+
+    python -m benchmarks.auto_grid [--ops=all_gather_matmul,matmul_reduce_scatter]
+        [--models=8b,70b,405b] [--rows=16,64,256,1024,4096] [--axis_sizes=2,4]
+        [--rounds=3] [--iterations=10] [--time_budget_s=540] [--write_table]
+        [--out_dir=benchmarks/results]
+
+A point is (op, model, projection, rows per device, D), on the first D devices:
+  all_gather_matmul      qkv: x [rows, H] @ w [H, (Hq + 2 Hkv) Dh / D];
+                         gate_up: x [rows, H] @ w [H, 2 F / D]
+  matmul_reduce_scatter  o: x [D rows, Hq Dh / D] @ w [Hq Dh / D, H];
+                         down: x [D rows, F / D] @ w [F / D, H]
+(per shard, bf16). `pallas` (where `explain(impl="pallas")` accepts) and
+`xla_bsp` are re-timed by CUPTI in `--rounds` interleaved rounds (median);
+`auto` runs the program of the impl that `explain` names for it, so its figure
+is that impl's. Reported per point: auto / min(pallas, xla_bsp) (the target:
+auto never slower than the faster, within 2%) and pallas / xla_bsp.
+`--write_table` merges each point's winner into
+`jax_overlap/data/<device kind>/<op>_auto.json`, which `auto` then follows for
+those exact problems (`jax_overlap.tuned.auto_reason`); run the grid again to
+check it. Off GPUs: dispatch figures of the XLA path only, a smoke run.
+
+Writes <out_dir>/<machine>_auto_grid.json (points of earlier runs kept unless
+replaced) and a heatmap PNG beside it.
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+import statistics
+import time
+
+import sys
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from benchmarks import harness
+from benchmarks import spmd
+from jax_overlap import tuned
+from pallas_kernels import platform
+
+AXIS = spmd.AXIS
+DTYPE = jnp.bfloat16
+
+# Its own flag registry: other benchmark modules define flags of the same names
+# (--models, --iterations, ...) and may be imported in the same process.
+FLAGS = flags.FlagValues()
+_define = lambda kind, name, default, help_: getattr(flags, f"DEFINE_{kind}")(
+    name, default, help_, flag_values=FLAGS)
+_OPS = _define("list", "ops", ["all_gather_matmul", "matmul_reduce_scatter"], "Ops.")
+_MODELS = _define("list", "models", ["8b", "70b", "405b"], "Models of MODELS.")
+_ROWS = _define("list", "rows", ["16", "64", "256", "1024", "4096"], "Rows per device.")
+_AXIS_SIZES = _define("list", "axis_sizes", ["2", "4"], "D values (those that fit here).")
+_ROUNDS = _define("integer", "rounds", 3, "Interleaved CUPTI rounds per point.")
+_ITERATIONS = _define("integer", "iterations", 10, "Calls per CUPTI figure.")
+_TIME_BUDGET_S = _define("float", "time_budget_s", 540.0, "Start no point after this.")
+_WRITE_TABLE = _define("bool", "write_table", False,
+                       "Merge the winners into jax_overlap/data/<kind>/<op>_auto.json.")
+_OUT_DIR = _define("string", "out_dir", "benchmarks/results", "Where the JSON and PNG go.")
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """Llama-3-like layer widths."""
+  hidden: int
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  ffn: int
+
+
+MODELS = {
+    "8b": Model(4096, 32, 8, 128, 14336),
+    "70b": Model(8192, 64, 8, 128, 28672),
+    "405b": Model(16384, 128, 8, 128, 53248),
+}
+PROJECTIONS = {"all_gather_matmul": ("qkv", "gate_up"), "matmul_reduce_scatter": ("o", "down")}
+
+
+def per_shard_shape(op: str, proj: str, model: Model, rows: int, d: int) -> tuple[int, int, int]:
+  """(m, k, n) of the per-shard problem as the op's `explain` takes it: x
+  [m, k], w [k, n]."""
+  c = model
+  if op == "all_gather_matmul":
+    cols = {"qkv": (c.q_heads + 2 * c.kv_heads) * c.head_dim, "gate_up": 2 * c.ffn}[proj]
+    return rows, c.hidden, cols // d
+  inner = {"o": c.q_heads * c.head_dim, "down": c.ffn}[proj]
+  return d * rows, inner // d, c.hidden
+
+
+def _specs(op: str):
+  """(x spec, w spec, out spec) of the global arrays over the 1-D mesh."""
+  if op == "all_gather_matmul":
+    return P(AXIS, None), P(None, AXIS), P(None, AXIS)
+  return P(None, AXIS), P(AXIS, None), P(AXIS, None)
+
+
+def _explain(op: str, m: int, k: int, n: int, d: int, impl: str):
+  fn = {"all_gather_matmul": jax_overlap.explain_all_gather_matmul,
+        "matmul_reduce_scatter": jax_overlap.explain_matmul_reduce_scatter}[op]
+  return fn(jax.ShapeDtypeStruct((m, k), DTYPE), jax.ShapeDtypeStruct((k, n), DTYPE),
+            axis_size=d, impl=impl)
+
+
+def _program(op: str, mesh, impl: str):
+  body = functools.partial(getattr(jax_overlap, op), axis_name=AXIS, impl=impl)
+  x_spec, w_spec, out_spec = _specs(op)
+  return spmd.per_shard(body, mesh, (x_spec, w_spec), out_spec)
+
+
+def _inputs(op: str, mesh, m: int, k: int, n: int, d: int):
+  x_spec, w_spec, _ = _specs(op)
+  if op == "all_gather_matmul":
+    x_shape, w_shape = (d * m, k), (k, d * n)
+  else:
+    x_shape, w_shape = (m, d * k), (d * k, n)
+  kx, kw = jax.random.split(jax.random.key(0))
+  return (spmd.random_normal(kx, x_shape, DTYPE, mesh, x_spec),
+          spmd.random_normal(kw, w_shape, DTYPE, mesh, w_spec))
+
+
+def measure_point(op: str, model: str, proj: str, rows: int, d: int) -> dict:
+  """One grid point: the impls' figures, auto's choice, the ratios."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:d]), (AXIS,),
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  m, k, n = per_shard_shape(op, proj, MODELS[model], rows, d)
+  point = {"op": op, "model": model, "projection": proj, "rows": rows, "d": d,
+           "problem": tuned.problem_key(d, m, k, n, DTYPE)}
+  auto = _explain(op, m, k, n, d, "auto")
+  point["auto"] = auto.impl
+  point["explain"] = str(auto)
+  impls = ["xla_bsp"]
+  try:
+    _explain(op, m, k, n, d, "pallas")
+    impls.insert(0, "pallas")
+  except ValueError as e:
+    point["pallas_skipped"] = str(e)
+  args = _inputs(op, mesh, m, k, n, d)
+  calls = {impl: (_program(op, mesh, impl), args) for impl in impls}
+  if harness.cupti_available():
+    rounds = harness.interleaved_rounds(calls, rounds=_ROUNDS.value,
+                                        iterations=_ITERATIONS.value, devices=d)
+    us = {impl: statistics.median(ts) for impl, ts in rounds.items()}
+    point["figure"] = "cupti"
+  else:
+    us = {impl: harness.dispatch_us(fn, a, iterations=_ITERATIONS.value)
+          for impl, (fn, a) in calls.items()}
+    point["figure"] = "dispatch"
+  point["us"] = us
+  best = min(us, key=us.get)
+  point["best"] = best
+  if auto.impl in us:
+    point["auto_over_best"] = us[auto.impl] / us[best]
+  if "pallas" in us:
+    point["pallas_speedup_vs_xla_bsp"] = us["xla_bsp"] / us["pallas"]
+  return point
+
+
+def _write_tables(points: list[dict], device_kind: str) -> list[pathlib.Path]:
+  """Merges each point's winner (pallas against xla_bsp, both timed) into
+  the op's auto table; returns the files written."""
+  written = []
+  for op in {p["op"] for p in points}:
+    path = tuned.table_path(device_kind, f"{op}_auto")
+    table = json.loads(path.read_text()) if path.exists() else {}
+    for p in points:
+      if p["op"] == op and "pallas" in p["us"] and p["figure"] == "cupti":
+        table[p["problem"]] = {"impl": p["best"], "us": {k: round(v, 2) for k, v in p["us"].items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    written.append(path)
+  tuned.load.cache_clear()
+  return written
+
+
+def _heatmap(points: list[dict], png: pathlib.Path) -> None:
+  """auto / best per point, one panel per (op, D); skipped without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    print("auto_grid: matplotlib not installed; no heatmap.")
+    return
+  panels = sorted({(p["op"], p["d"]) for p in points})
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+  for ax, (op, d) in zip(axes[0], panels):
+    mine = [p for p in points if (p["op"], p["d"]) == (op, d)]
+    cols = sorted({(p["model"], p["projection"]) for p in mine})
+    rows = sorted({p["rows"] for p in mine})
+    grid = [[next((p.get("auto_over_best", float("nan")) for p in mine
+                   if (p["model"], p["projection"], p["rows"]) == (*c, r)), float("nan"))
+             for c in cols] for r in rows]
+    image = ax.imshow(grid, cmap="RdYlGn_r", vmin=1.0, vmax=1.3, aspect="auto")
+    ax.set_xticks(range(len(cols)), [f"{m}\n{j}" for m, j in cols])
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_ylabel("rows per device")
+    ax.set_title(f"{op}, D = {d}: auto / best")
+    for i, row in enumerate(grid):
+      for j, value in enumerate(row):
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+  fig.colorbar(image, ax=axes[0].tolist())
+  fig.savefig(png, dpi=120)
+  print(f"heatmap: {png}")
+
+
+def main() -> None:
+  """Runs the grid with the parsed FLAGS."""
+  deadline = time.monotonic() + _TIME_BUDGET_S.value
+  everything = spmd.mesh()
+  sizes = [d for d in map(int, _AXIS_SIZES.value) if d <= everything.size]
+  kind = platform.device_kind()
+  print(f"auto_grid: {everything.size} x {kind}, jax {jax.__version__}; D {sizes};"
+        f" kernels: {platform.hopper_unavailable_reason() or 'Hopper GPUs'}", flush=True)
+  out = pathlib.Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / f"{spmd.device_tag(everything)}_auto_grid.json"
+  kept = json.loads(path.read_text())["points"] if path.exists() else []
+  points = []
+  todo = [(op, model, proj, int(rows), d) for d in sizes for op in _OPS.value
+          for model in _MODELS.value for proj in PROJECTIONS[op] for rows in _ROWS.value]
+  for i, (op, model, proj, rows, d) in enumerate(todo):
+    label = f"[{i + 1}/{len(todo)}] {op} {model} {proj} rows={rows} D={d}"
+    if time.monotonic() > deadline:
+      print(f"{label}: skipped (time budget)", flush=True)
+      continue
+    try:
+      point = measure_point(op, model, proj, rows, d)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    points.append(point)
+    ratio = point.get("auto_over_best")
+    print(f"{label}: {' '.join(f'{k} {v:.1f}' for k, v in point['us'].items())} µs"
+          f" ({point['figure']}); auto -> {point['auto']}"
+          f"{'' if ratio is None else f', auto / best {ratio:.3f}'}", flush=True)
+  new = {p["problem"] + p["op"] for p in points}
+  merged = [p for p in kept if p["problem"] + p["op"] not in new] + points
+  path.write_text(json.dumps({"device_kind": kind, "jax_version": jax.__version__,
+                              "points": merged}, indent=1) + "\n")
+  print(f"JSON: {path}")
+  worst = [p for p in merged if p.get("auto_over_best", 1.0) > 1.02]
+  print(f"auto within 2% of the faster impl at {len(merged) - len(worst)} of {len(merged)} points"
+        + "".join(f"\n  {p['op']} {p['model']} {p['projection']} rows={p['rows']} D={p['d']}:"
+                  f" auto / best {p['auto_over_best']:.3f}" for p in worst))
+  if _WRITE_TABLE.value:
+    for written in _write_tables(points, kind):
+      print(f"auto table: {written}")
+  _heatmap(merged, path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+  FLAGS(sys.argv)
+  main()
