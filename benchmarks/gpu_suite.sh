@@ -65,7 +65,9 @@ step transformer python3 -m benchmarks.transformer --out_dir="$OUT"
 # In-kernel timelines (benchmarks/kernel_profile.py) at a shape of each kernel.
 step kernel_profile bash -c 'python3 -m benchmarks.kernel_profile --op=all_gather_matmul \
     --shape=1024,4096,4096 --trace_dir="$0/traces" && python3 -m benchmarks.kernel_profile \
-    --op=flash_decode --shape=8,64,8,128,8192 --trace_dir="$0/traces"' "$OUT"
+    --op=flash_decode --shape=8,64,8,128,8192 --trace_dir="$0/traces" && python3 -m \
+    benchmarks.kernel_profile --op=matmul_reduce_scatter --shape=2048,4096,4096 \
+    --trace_dir="$0/traces"' "$OUT"
 
 for json in "$OUT"/*.json; do
   [ -e "$json" ] && cp "$json" benchmarks/results/

@@ -2,9 +2,11 @@
 
     python -m benchmarks.kernel_profile --op=all_gather_matmul --shape=1024,4096,4096
     python -m benchmarks.kernel_profile --op=flash_decode --shape=8,64,8,128,8192
+    python -m benchmarks.kernel_profile --op=matmul_reduce_scatter --shape=2048,4096,4096
 
 Runs the fused kernel and its exchange-free counterpart (all_gather_matmul:
-the core on the pre-gathered x; flash_decode: the kernel on the local slice)
+the core on the pre-gathered x; flash_decode: the kernel on the local slice;
+matmul_reduce_scatter: the same schedule storing every partial locally)
 with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
 back to back after a warm-up, and prints, per kernel trace, the span of each
 named scope the kernels mark (pallas_kernels docstrings list them): how many,
@@ -43,13 +45,17 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import all_gather_matmul as ag_bench
 from benchmarks import flash_decode as fd_bench
+from benchmarks import matmul_reduce_scatter as rs_bench
 from benchmarks import shapes
 from benchmarks import spmd
+from pallas_kernels import matmul_reduce_scatter as rs_kernel
+from pallas_kernels import platform
 
-_OP = flags.DEFINE_enum("op", "all_gather_matmul", ["all_gather_matmul", "flash_decode"],
+_OP = flags.DEFINE_enum("op", "all_gather_matmul",
+                        ["all_gather_matmul", "flash_decode", "matmul_reduce_scatter"],
                         "The op whose kernels to profile.")
 _SHAPE = flags.DEFINE_string("shape", "1024,4096,4096",
-                             "M_shard,K,N_shard or B,Hq,Hkv,Dh,S_total.")
+                             "M_shard,K,N_shard; B,Hq,Hkv,Dh,S_total; or M,K_shard,N.")
 _CALLS = flags.DEFINE_integer("calls", 8, "Calls back to back after the warm-up.")
 _KEEP = flags.DEFINE_integer("keep", 3, "Traces kept and summarized per kernel (the last ones).")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where traces go.")
@@ -154,6 +160,23 @@ def _kernels(op: str, dims: tuple[int, ...]):
     core = ag_bench.pallas_core(shape, mesh, inputs)
     return {"fused": (ag_bench.ours_fn(mesh, "pallas"), (inputs.x, inputs.w)),
             "core (x pre-gathered)": (core.fn, core.args)}
+  if op == "matmul_reduce_scatter":
+    shape = shapes.MatmulReduceScatterShape(*dims)
+    inputs = rs_bench.setup(shape, mesh)
+    d = mesh.size
+    config = rs_kernel.default_config(shape.m // d, shape.k_shard, shape.n, rs_bench.DTYPE,
+                                      axis_size=d, num_sms=platform.num_sms())
+
+    def local(x, w):  # every partial stored locally: [D, M / D, N] per device
+      return rs_kernel.matmul_reduce_scatter(
+          x, w, config=config, num_sms=platform.num_sms(),
+          standalone=rs_kernel.Standalone(index=0, size=d))[None]
+
+    args = (inputs.x, inputs.w)
+    specs = (rs_bench.X_SPEC, rs_bench.W_SPEC)
+    return {"fused": (rs_bench.ours_fn(mesh, "pallas", config), args),
+            "no exchange (partials stored locally)": (
+                spmd.per_shard(local, mesh, specs, P(spmd.AXIS)), args)}
   shape = shapes.FlashDecodeShape(*dims)
   inputs = fd_bench.setup(shape, mesh)
   args = (inputs["q"], inputs["k"], inputs["v"])

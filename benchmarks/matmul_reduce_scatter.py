@@ -50,14 +50,14 @@ def setup(shape: shapes.MatmulReduceScatterShape, mesh) -> cases.Operands:
                                (d * shape.k_shard, shape.n), W_SPEC, DTYPE)
 
 
-def _ours_fn(mesh, impl: str, config=None):
+def ours_fn(mesh, impl: str, config=None):
   body = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl=impl,
                            config=config)
   return spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC)
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
-  return _ours_fn(mesh, "xla_bsp")(inputs.x, inputs.w)
+  return ours_fn(mesh, "xla_bsp")(inputs.x, inputs.w)
 
 
 def _user_bsp(x, w):
@@ -70,7 +70,7 @@ def _pallas(mesh, explain, args, config=None) -> runner.Built:
     choice = explain("pallas", config)
   except ValueError as e:  # the kernel cannot run this shape: say why
     raise runner.Skip(str(e)) from e
-  return runner.Built(_ours_fn(mesh, "pallas", config), args,
+  return runner.Built(ours_fn(mesh, "pallas", config), args,
                       {"explain": str(choice), "config": repr(config)})
 
 
@@ -96,7 +96,7 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       jax.ShapeDtypeStruct((shape.m, shape.k_shard), DTYPE),
       jax.ShapeDtypeStruct((shape.k_shard, shape.n), DTYPE),
       axis_size=mesh.size, impl=impl, config=config)
-  ours = lambda impl: runner.Built(_ours_fn(mesh, impl), args)
+  ours = lambda impl: runner.Built(ours_fn(mesh, impl), args)
   user_bsp = lambda: runner.Built(
       spmd.per_shard(_user_bsp, mesh, (X_SPEC, W_SPEC), OUT_SPEC), args)
   # Each device's [M, N] partial product, stacked: [D * M, N].

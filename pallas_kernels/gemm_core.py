@@ -23,6 +23,7 @@ import functools
 import itertools
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -372,6 +373,10 @@ class TileMatmul:
     """Stores one warpgroup's tile (its `wg_slice` of each store's ref)
     through granules alternating over `epi_slots` SMEM slots, one bulk group
     per granule."""
+    with jax.named_scope("epilogue"):
+      self._store_granules(result, stores, wg_slice, smem)
+
+  def _store_granules(self, result, stores, wg_slice, smem) -> None:
     t = self.tiles
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     granules = itertools.product(range(t.tile_m // t.epi_tile_m), range(t.tile_n // t.epi_tile_n))
