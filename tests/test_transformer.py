@@ -17,6 +17,7 @@ the same for every position is invisible to training and prefill, which see
 relative positions only; the decode steps catch it.)
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -264,3 +265,27 @@ def test_tokens_must_split_over_the_axis():
     transformer.loss(_abstract_params(CONFIG), jnp.zeros((1, 6), jnp.int32),
                      jnp.zeros((1, 6), jnp.int32),
                      config=CONFIG, axis_name=AXIS)
+
+
+@contextlib.contextmanager
+def _shardy(enabled: bool):
+  before = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", enabled)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def test_training_attention_avoids_cudnn_under_shardy_on_several_devices(monkeypatch):
+  """On GPUs (faked here) the loss takes XLA attention where Shardy would
+  crash XLA's compiler on cuDNN's backward (D >= 2), cuDNN elsewhere; an
+  explicit choice always wins."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert transformer.attention_impl(jnp.bfloat16) == "cudnn"
+  assert transformer.training_attention_impl(jnp.bfloat16, 1) == "cudnn"
+  assert transformer.training_attention_impl(jnp.bfloat16, 2, "cudnn") == "cudnn"
+  with _shardy(True):
+    assert transformer.training_attention_impl(jnp.bfloat16, 2) == "xla"
+  with _shardy(False):
+    assert transformer.training_attention_impl(jnp.bfloat16, 4) == "cudnn"
