@@ -64,12 +64,7 @@ _AUTO_BSP_MAX_ROWS = 128
 _AUTO_BSP_MIN_COLS = 8192
 
 
-def _pallas_auto_rule(p: Problem) -> str | None:
-  """The measured table for this exact problem, else the small-M rule."""
-  known, reason = tuned.auto_reason(platform.device_kind(), OP, p.axis_size, p.m_shard, p.k,
-                                    p.n_shard, p.dtype)
-  if known:
-    return reason
+def _small_m_rule(p: Problem) -> str | None:
   if p.m_shard <= _AUTO_BSP_MAX_ROWS and p.n_shard >= _AUTO_BSP_MIN_COLS:
     return (f"reported about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
             f" >= {_AUTO_BSP_MIN_COLS} columns per device ({p.m_shard} x {p.n_shard} here);"
@@ -119,7 +114,8 @@ def _pallas(x, w, axis_name, return_gathered, problem):
   return _fused(x, w, axis_name, _kernel_config(problem), return_gathered)
 
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, _pallas_auto_rule),
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
+                           OP, lambda p: (p.m_shard, p.k, p.n_shard), _small_m_rule)),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

@@ -67,12 +67,7 @@ _AUTO_MIN_ROWS = {1: 0, 2: 128}
 _AUTO_MIN_ROWS_MANY = 2048
 
 
-def _pallas_auto_rule(p: Problem) -> str | None:
-  """The measured table for this exact problem, else the rows rule."""
-  known, reason = tuned.auto_reason(platform.device_kind(), OP, p.axis_size, p.m, p.k_shard,
-                                    p.n, p.dtype)
-  if known:
-    return reason
+def _rows_rule(p: Problem) -> str | None:
   rows = p.m // p.axis_size
   least = _AUTO_MIN_ROWS.get(p.axis_size, _AUTO_MIN_ROWS_MANY)
   if rows < least:
@@ -113,7 +108,8 @@ def _fused_bwd(axis_name, config, residuals, d_out):
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, _pallas_auto_rule),
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
+                           OP, lambda p: (p.m, p.k_shard, p.n), _rows_rule)),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

@@ -20,6 +20,7 @@ import re
 import jax.numpy as jnp
 
 from pallas_kernels import all_gather_matmul as ag_kernel
+from pallas_kernels import platform
 
 DATA_DIR = pathlib.Path(__file__).parent / "data"
 
@@ -72,3 +73,18 @@ def auto_reason(device_kind: str, op: str, axis_size: int, m: int, k: int, n: in
   return True, (f"measured slower than xla_bsp on {device_kind} for this problem"
                 f" ({us['pallas']:.1f} against {us['xla_bsp']:.1f} µs,"
                 f" {table_path(device_kind, op + '_auto').name}); impl='pallas' runs it.")
+
+
+def measured_first(op: str, dims, rule):
+  """An auto rule (see `dispatch.Impl`): the measured table's verdict for
+  the exact problem (`auto_reason`), else `rule(problem)`.
+
+  Args:
+    op: the op's name (its table is `<op>_auto.json`).
+    dims: problem -> (m, k, n) as the table's keys take them.
+    rule: problem -> None or a reason, for problems the table lacks.
+  """
+  def check(p) -> str | None:
+    known, reason = auto_reason(platform.device_kind(), op, p.axis_size, *dims(p), p.dtype)
+    return reason if known else rule(p)
+  return check

@@ -178,14 +178,8 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"config.send must be 'forward' or 'push', got {config.send!r}."
   if config.pushers is not None and config.pushers < 1:
     return f"config.pushers must be None or >= 1, got {config.pushers}."
-  if reason := config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize):
-    return reason
-  m_chunks = m_shard // config.tiles.cta_m
-  if config.strip_chunks is not None and (
-      config.strip_chunks < 1 or m_chunks % config.strip_chunks):
-    return (f"config.strip_chunks = {config.strip_chunks} must divide the row chunks per"
-            f" shard, M_shard / cta_m = {m_shard} / {config.tiles.cta_m} = {m_chunks}.")
-  return None
+  return (config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
+          or gemm_core.strip_reason(config.strip_chunks, m_shard, config.tiles.cta_m))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,6 +136,16 @@ def default_strip(m_chunks: int) -> int:
   return max(c for c in range(1, STRIP_CHUNKS + 1) if m_chunks % c == 0)
 
 
+def strip_reason(strip_chunks: int | None, rows: int, cta_m: int) -> str | None:
+  """None if `strip_chunks` (None, or a strip's row chunks) divides the
+  rows' chunks of cta_m rows, else why not."""
+  m_chunks = rows // cta_m
+  if strip_chunks is not None and (strip_chunks < 1 or m_chunks % strip_chunks):
+    return (f"config.strip_chunks = {strip_chunks} must divide the row chunks,"
+            f" {rows} / {cta_m} = {m_chunks}.")
+  return None
+
+
 def strip_position(t, m_chunks: int, n_tiles: int, strip: int | None):
   """Where the t-th tile of one step's [m_chunks, n_tiles] grid lies.
 

@@ -123,14 +123,8 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
   if not isinstance(config, MatmulReduceScatterConfig):
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
   padded = config.padded_rows(rows)
-  if reason := config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize):
-    return reason
-  m_chunks = padded // config.tiles.cta_m
-  if config.strip_chunks is not None and (
-      config.strip_chunks < 1 or m_chunks % config.strip_chunks):
-    return (f"config.strip_chunks = {config.strip_chunks} must divide the row chunks per"
-            f" device, {padded} / {config.tiles.cta_m} = {m_chunks}.")
-  return None
+  return (config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize)
+          or gemm_core.strip_reason(config.strip_chunks, padded, config.tiles.cta_m))
 
 
 @dataclasses.dataclass(frozen=True)
