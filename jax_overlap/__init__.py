@@ -12,6 +12,7 @@ from jax_overlap.all_gather_matmul import all_gather_matmul
 from jax_overlap.configs import AllGatherMatmulConfig
 from jax_overlap.configs import FlashDecodeConfig
 from jax_overlap.configs import GemmTiles
+from jax_overlap.configs import MatmulReduceScatterConfig
 from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
 from jax_overlap.dispatch import Choice
 from jax_overlap.flash_decode import explain as explain_flash_decode
@@ -27,6 +28,7 @@ __all__ = [
     "Choice",
     "FlashDecodeConfig",
     "GemmTiles",
+    "MatmulReduceScatterConfig",
     "all_gather_matmul",
     "explain_all_gather_matmul",
     "explain_flash_decode",

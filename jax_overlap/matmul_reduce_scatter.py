@@ -165,8 +165,8 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       `psum_scatter` of a bf16 product does (half the bytes of a float32
       exchange; the fused kernel does this). True: the partials are exchanged
       and summed in float32 and rounded once (XLA paths only).
-    config: a `pallas_kernels.matmul_reduce_scatter.MatmulReduceScatterConfig`
-      for impl "pallas"; None takes the kernel's heuristic.
+    config: a `jax_overlap.MatmulReduceScatterConfig(tiles, strip_chunks)` for
+      impl "pallas"; None takes the kernel's heuristic.
 
   Returns:
     [M / D, N] in x's dtype: rows [i * M/D, (i+1) * M/D) of the sum over the
