@@ -138,12 +138,17 @@ def _bind(x, w, axis_size: int, config) -> Problem:
   return Problem(axis_size, m_shard, k, n_shard, jnp.dtype(x.dtype), config)
 
 
-def explain(x, w, *, axis_size: int, impl: str = "auto", config=None) -> dispatch.Choice:
+def explain(x, w, *, axis_size: int, impl: str = "auto", config=None,
+            axis_name=None) -> dispatch.Choice:
   """The implementation `all_gather_matmul` would use, without running it.
 
   `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
+  With `axis_name` (a mesh axis of the mesh set by `jax.set_mesh`, or bound by
+  an enclosing shard_map), the choice also checks that the axis's devices lie
+  in one process, as the op does when traced (multi-process jobs).
   """
-  return _OP.choose(impl, _bind(x, w, axis_size, config))
+  problem = dispatch.in_processes(_bind(x, w, axis_size, config), axis_name)
+  return _OP.choose(impl, problem)
 
 
 def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
@@ -176,9 +181,8 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
       these shapes here.
     TypeError: unsupported or mismatched dtypes.
   """
-  problem = dataclasses.replace(
-      _bind(x, w, _validate.bound_axis_size(axis_name), config),
-      process_reason=platform.axis_process_reason(axis_name))
+  problem = dispatch.in_processes(
+      _bind(x, w, _validate.bound_axis_size(axis_name), config), axis_name)
   choice = _OP.choose(impl, problem)
   if choice.impl == "pallas":
     return _pallas(x, w, axis_name, return_gathered, problem)

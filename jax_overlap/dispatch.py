@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import logging
 
+from pallas_kernels import platform
+
 logger = logging.getLogger("jax_overlap")
 
 
@@ -35,6 +37,15 @@ class Choice:
 
 
 Support = Callable[[object], str | None]
+
+
+def in_processes(problem, axis_name):
+  """`problem` with its `process_reason` set for mesh axis `axis_name` (None:
+  unchanged): why the axis's devices are not all in this process, which the
+  fused kernels need (`pallas_kernels.platform.axis_process_reason`)."""
+  if axis_name is None:
+    return problem
+  return dataclasses.replace(problem, process_reason=platform.axis_process_reason(axis_name))
 
 
 def always(problem) -> None:

@@ -94,15 +94,18 @@ def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
 
 
 def explain(q, k, v, kv_lens=None, *, axis_size: int, impl: str = "auto",
-            config=None) -> dispatch.Choice:
+            config=None, axis_name=None) -> dispatch.Choice:
   """The implementation `flash_decode` would use, without running it.
 
   Arguments may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
+  With `axis_name` (a mesh axis of the mesh set by `jax.set_mesh`, or bound by
+  an enclosing shard_map), the choice also checks that the axis's devices lie
+  in one process, as the op does when traced (multi-process jobs).
   With impl="auto" the `Choice` lists, for each impl tried before the chosen
   one ("pallas", then "pallas_bsp"), the sentence saying why it cannot run.
   """
   problem = _bind(q, k, v, kv_lens, axis_size, config)
-  return _OP.choose(impl, problem)
+  return _OP.choose(impl, dispatch.in_processes(problem, axis_name))
 
 
 def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
@@ -145,9 +148,8 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       multiple of Hkv, an impl that cannot run these shapes here.
     TypeError: unsupported or mismatched dtypes, non-integer kv_lens.
   """
-  problem = dataclasses.replace(
-      _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config),
-      process_reason=platform.axis_process_reason(axis_name))
+  problem = dispatch.in_processes(
+      _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config), axis_name)
   choice = _OP.choose(impl, problem)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)

@@ -137,12 +137,16 @@ def _bind(x, w, axis_size: int, reduce_in_float32: bool, config) -> Problem:
 
 
 def explain(x, w, *, axis_size: int, impl: str = "auto", reduce_in_float32: bool = False,
-            config=None) -> dispatch.Choice:
+            config=None, axis_name=None) -> dispatch.Choice:
   """The implementation `matmul_reduce_scatter` would use, without running it.
 
   `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
+  With `axis_name` (a mesh axis of the mesh set by `jax.set_mesh`, or bound by
+  an enclosing shard_map), the choice also checks that the axis's devices lie
+  in one process, as the op does when traced (multi-process jobs).
   """
-  return _OP.choose(impl, _bind(x, w, axis_size, reduce_in_float32, config))
+  problem = dispatch.in_processes(_bind(x, w, axis_size, reduce_in_float32, config), axis_name)
+  return _OP.choose(impl, problem)
 
 
 def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
@@ -177,9 +181,8 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       D, an impl that cannot run these shapes here.
     TypeError: unsupported or mismatched dtypes.
   """
-  problem = dataclasses.replace(
-      _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config),
-      process_reason=platform.axis_process_reason(axis_name))
+  problem = dispatch.in_processes(
+      _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config), axis_name)
   choice = _OP.choose(impl, problem)
   if choice.impl == "pallas":
     return _fused(x, w, axis_name, _kernel_config(problem))

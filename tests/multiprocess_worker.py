@@ -581,15 +581,11 @@ def check_gpu_across_refused(mesh):
         assert "NVSHMEM" in str(e), str(e)
       else:
         raise AssertionError(f"{op} impl='pallas' with 'tp' across processes did not raise")
-    explain = jax_overlap.explain_all_gather_matmul
-    if "axis_name" in inspect.signature(explain).parameters:
-      m, kk, n = AG_SHAPE
-      choice = explain(jax.ShapeDtypeStruct((m, kk), BF16), jax.ShapeDtypeStruct((kk, n), BF16),
-                       axis_size=mesh.shape["tp"], axis_name="tp")
-      assert choice.impl == "xla_bsp" and "NVSHMEM" in str(choice), str(choice)
-    else:
-      print("explain_all_gather_matmul takes no axis_name: checked the traced choice only",
-            flush=True)
+    m, kk, n = AG_SHAPE
+    choice = jax_overlap.explain_all_gather_matmul(
+        jax.ShapeDtypeStruct((m, kk), BF16), jax.ShapeDtypeStruct((kk, n), BF16),
+        axis_size=mesh.shape["tp"], axis_name="tp")
+    assert choice.impl == "xla_bsp" and "NVSHMEM" in str(choice), str(choice)
 
 
 def scenario_gpu_tp_across():

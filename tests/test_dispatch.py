@@ -220,3 +220,21 @@ def test_auto_follows_the_measured_table_for_its_exact_problems(winner, monkeypa
     assert other.impl == "xla_bsp" and "rows per device" in dict(other.rejected)["pallas"]
   finally:
     tuned.load.cache_clear()
+
+
+def test_explain_with_an_axis_name_checks_the_processes(monkeypatch):
+  """With axis_name, explain asks where the axis's devices live, as the op
+  does when traced: an axis across processes keeps the kernels off."""
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "axis_process_reason",
+                      lambda axis_name: f"axis {axis_name!r} spans 2 processes (NVSHMEM).")
+  args = S(1024, 4096), S(4096, 4096)
+  assert jax_overlap.explain_all_gather_matmul(*args, axis_size=2).impl == "pallas"
+  choice = jax_overlap.explain_all_gather_matmul(*args, axis_size=2, axis_name="tp")
+  assert choice.impl == "xla_bsp"
+  assert dict(choice.rejected)["pallas"] == "axis 'tp' spans 2 processes (NVSHMEM)."
+  with pytest.raises(ValueError, match="spans 2 processes"):
+    jax_overlap.explain_matmul_reduce_scatter(S(4096, 4096), S(4096, 4096), axis_size=2,
+                                              impl="pallas", axis_name="tp")
