@@ -61,6 +61,13 @@ import reference
 _failures = []
 
 
+def emit(line: str) -> None:
+  """Prints one result line in a single `write` (a pipe keeps it whole, even
+  while C++ code such as gloo writes to the same pipe in pieces)."""
+  sys.stdout.flush()
+  os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 class Skip(Exception):
   """Raised by a check that does not apply here (printed as SKIP, with why)."""
 
@@ -73,15 +80,15 @@ def check(name: str, fn, *args) -> None:
   try:
     fn(*args)
   except Skip as e:
-    print(f"CHECK {name} SKIP {e}", flush=True)
+    emit(f"CHECK {name} SKIP {e}")
   except Exception as e:  # pylint: disable=broad-exception-caught
     _failures.append(name)
     why = " ".join(f"{type(e).__name__}: {e}".split())
-    print(f"CHECK {name} FAIL {why}", flush=True)
+    emit(f"CHECK {name} FAIL {why}")
     traceback.print_exc()
     sys.stdout.flush()
   else:
-    print(f"CHECK {name} PASS", flush=True)
+    emit(f"CHECK {name} PASS")
 
 
 def mesh_of(devices: np.ndarray, axis_type=AxisType.Explicit) -> Mesh:
@@ -501,10 +508,10 @@ def time_ops(mesh, impl: str):
     ag_args = _placed_ag(mesh, x, w)
     dec_args = _placed_decode(mesh, q, k, v, lens)
     for impl in (impl, "xla_bsp"):  # pylint: disable=redefined-argument-from-local
-      print(f"TIME all_gather_matmul {impl} {back_to_back_us(_ag_fn(mesh, impl), *ag_args):.1f}"
-            f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}", flush=True)
-      print(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
-            f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}", flush=True)
+      emit(f"TIME all_gather_matmul {impl} {back_to_back_us(_ag_fn(mesh, impl), *ag_args):.1f}"
+           f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}")
+      emit(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
+           f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}")
 
 
 def scenario_gpu_tp_inside(impl: str = "pallas"):
@@ -611,7 +618,7 @@ if __name__ == "__main__":
   print(f"process {PROCESS_ID} of {jax.process_count()}: {jax.local_device_count()} local"
         f" devices, ids {[d.id for d in jax.local_devices()]}", flush=True)
   SCENARIOS[sys.argv[1]]()
-  print(f"WORKER DONE failures={_failures}", flush=True)
+  emit(f"WORKER DONE failures={_failures}")
   sys.stdout.flush()
   # Every process reaches this point; leave through the shutdown barrier together.
   sys.exit(1 if _failures else 0)
