@@ -58,7 +58,11 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import harness
 from benchmarks import runner  # pylint: disable=unused-import (its --iterations, --out_dir)
 from benchmarks import spmd
+from jax_overlap import decode_bsp
 from jax_overlap import transformer
+from pallas_kernels import all_gather_matmul as ag_kernel
+from pallas_kernels import flash_decode as fd_kernel
+from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 
 _QUICK = flags.DEFINE_bool(
@@ -87,9 +91,13 @@ AXIS = spmd.AXIS
 LEARNING_RATE = 1e-5
 DECODE_HEADROOM = 512  # decode lengths start this far below the cache size
 
-# Kernel name fragments, first match wins (lower case).
+# Kernel name fragments, first match wins (lower case). Our Mosaic GPU kernels
+# are named `<pallas_kernels.<op>.KERNEL_NAME>_mosaic_gpu_kernel`.
 CATEGORIES = (
-    ("pallas (mosaic_gpu)", ("mosaic_gpu",)),
+    *((f"{name} (pallas)", (f"{name}_mosaic_gpu",)) for name in (
+        ag_kernel.KERNEL_NAME, rs_kernel.KERNEL_NAME, fd_kernel.KERNEL_NAME)),
+    ("other pallas (mosaic_gpu)", ("mosaic_gpu",)),
+    (f"{decode_bsp.LOCAL_KERNEL_NAME} (pallas triton)", (decode_bsp.LOCAL_KERNEL_NAME,)),
     ("xla barrier", ("multigpubarrier",)),
     ("nccl", ("nccl",)),
     ("attention (cudnn)", ("cudnn", "sdpa", "fmha", "flash")),

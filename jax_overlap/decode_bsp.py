@@ -38,6 +38,8 @@ from jax_overlap import xla_paths
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+# The local kernel's name (the `pallas_call`'s), as profiles show it.
+LOCAL_KERNEL_NAME = "decode_partials"
 # Powers of two (Triton's block shapes), whose K/V blocks of 128 positions fit
 # the kernel's two-stage pipeline in shared memory.
 HEAD_DIMS = (64, 128)
@@ -174,7 +176,7 @@ def local_partials(q, k, v, kv_lens, scale: float, seq_offset, *, interpret: boo
       out_shape=[out((b, hkv, k_splits, group, dh)), out((b, hkv, k_splits, group)),
                  out((b, hkv, k_splits, group))],
       interpret=interpret,
-      name="decode_partials",
+      name=LOCAL_KERNEL_NAME,
   )(q.reshape(b, hkv, group, dh), k, v, None, lens)
   # Per split: o unnormalized, l its sum, m its max; a split with no valid
   # position has o = 0, l = 0 (so lse = -inf) and m = float32's lowest.

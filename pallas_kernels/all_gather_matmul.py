@@ -69,6 +69,8 @@ from pallas_kernels import signals
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+# The GPU kernel's name in profiles: `<KERNEL_NAME>_mosaic_gpu_kernel`.
+KERNEL_NAME = "all_gather_matmul"
 # Fewer pushing blocks than this leave NVLink underused when they also have
 # tiles to compute (2x H200: 16 tail blocks pushing 8 MB were slower than all
 # 132).
@@ -415,13 +417,13 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)
   if exchange:
     gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
-    out, gathered = gemm_core.launch(body, out_type=(out_struct, gathered_struct),
-                                     num_sms=grid, interpret=interpret)(x, w)
+    out, gathered = gemm_core.launch(body, name=KERNEL_NAME,
+                                     out_type=(out_struct, gathered_struct), num_sms=grid, interpret=interpret)(x, w)
     axes = vma.varying_axes(x, w, axis_name=axis_name)
     if not return_gathered:
       return vma.mark_varying(out, axes), None
     return vma.mark_varying((out, gathered), axes)
-  out = gemm_core.launch(body, out_type=out_struct, num_sms=grid,
+  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_struct, num_sms=grid,
                          interpret=interpret)(x, w, pregathered.gathered)
   axes = vma.varying_axes(x, w, pregathered.gathered)
   return vma.mark_varying(out, axes), pregathered.gathered

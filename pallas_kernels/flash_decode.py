@@ -76,6 +76,8 @@ from pallas_kernels import signals
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+# The GPU kernel's name in profiles: `<KERNEL_NAME>_mosaic_gpu_kernel`.
+KERNEL_NAME = "flash_decode"
 HEAD_DIMS = (64, 128)
 ROWS = 64  # the M of a wgmma: query rows per item and per output tile
 # A log-sum-exp row is broadcast over 32 float32s: 128 bytes, so that the TMA
@@ -515,7 +517,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   if not exchange:
     inputs += (received.o, received.lse)
   out, recv_o, recv_lse = plgpu.kernel(
-      body, out_type=out_types, grid=(grid,), grid_names=("sm",), interpret=interpret,
+      body, kernel_name=KERNEL_NAME, out_type=out_types, grid=(grid,), grid_names=("sm",),
+      interpret=interpret,
       compiler_params=plgpu.CompilerParams(skip_device_barrier=remote),
   )(*inputs)
   out = out.reshape(b, hq, dh)

@@ -407,11 +407,13 @@ class TileMatmul:
         plgpu.commit_smem_to_gmem_group()
 
 
-def launch(body, *, out_type, num_sms: int, interpret=None):
+def launch(body, *, name: str, out_type, num_sms: int, interpret=None):
   """`plgpu.kernel` with the core's thread layout: a persistent grid "sm" of
-  `num_sms` blocks of three warpgroups."""
+  `num_sms` blocks of three warpgroups. `name` names the GPU kernel
+  (`<name>_mosaic_gpu_kernel` in profiles)."""
   return plgpu.kernel(
       body,
+      kernel_name=name,
       out_type=out_type,
       grid=(num_sms,),
       grid_names=("sm",),

@@ -61,6 +61,8 @@ from pallas_kernels import signals
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+# The GPU kernel's name in profiles: `<KERNEL_NAME>_mosaic_gpu_kernel`.
+KERNEL_NAME = "matmul_reduce_scatter"
 # Rows per device are padded up to a multiple of this before tiles are chosen.
 _ROW_QUANTUM = 64
 
@@ -275,7 +277,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
-  out = gemm_core.launch(body, out_type=jax.ShapeDtypeStruct(shape, x.dtype), num_sms=grid,
-                         interpret=interpret)(x, w)
+  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
+                         num_sms=grid, interpret=interpret)(x, w)
   out = out[..., :rows, :]
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))

@@ -154,7 +154,7 @@ def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
   exported = jax.export.export(f, platforms=["cuda"])(
       sds((b, hq, dh), dtype, q_spec), kv, kv, sds((b,), jnp.int32, q_spec))
   module = exported.mlir_module()
-  assert "mosaic_gpu" in module
+  assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert "skip_device_barrier = true" in module and "bra SPIN" in module
   # Signals with release order, at system scope only for the peers'.
   assert "red.release.gpu" in module and "red.release.sys" in module

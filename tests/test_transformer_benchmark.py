@@ -46,7 +46,12 @@ def test_the_readme_table_comes_from_the_json(quick_run):
 
 
 def test_kernel_names_fall_into_categories():
-  assert bench.category("body_mosaic_gpu_kernel") == "pallas (mosaic_gpu)"
+  assert bench.category("all_gather_matmul_mosaic_gpu_kernel") == "all_gather_matmul (pallas)"
+  assert bench.category("matmul_reduce_scatter_mosaic_gpu_kernel") == (
+      "matmul_reduce_scatter (pallas)")
+  assert bench.category("flash_decode_mosaic_gpu_kernel") == "flash_decode (pallas)"
+  assert bench.category("body_mosaic_gpu_kernel") == "other pallas (mosaic_gpu)"
+  assert bench.category("decode_partials") == "decode_partials (pallas triton)"
   assert bench.category("_Z31ncclDevKernel_AllGather_RING_LL24ncclDevKernelArgs") == "nccl"
   assert bench.category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
   assert bench.category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == (
