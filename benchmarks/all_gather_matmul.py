@@ -7,9 +7,9 @@ w [K, N_shard], bf16 -> all_gather(x) @ w, [D * M_shard, N_shard].
 
 Cases:
   ours      pallas (where `explain` picks it), xla_bsp, xla_ring (a ppermute
-            ring: it stands for the ring baseline too); pallas_forward and
-            pallas_push: the kernel with each send design forced (default
-            tiles), to keep both designs' numbers side by side.
+            ring: it stands for the ring baseline too); pallas_forward,
+            pallas_ring and pallas_push: the kernel with each send design
+            forced (default tiles), to keep the designs' numbers side by side.
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -125,7 +125,7 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
       *(runner.Case(f"pallas_{send}", "ours",
                     functools.partial(_pallas_send, shape, mesh, inputs, send))
-        for send in ("forward", "push")),
+        for send in ag_kernel.SENDS),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -152,9 +152,9 @@ OP = runner.OpSpec(
     compute_floor="gemm_alone",
     comm_alone="all_gather_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
-    # Ours (as `auto` runs it, and both send designs), the baselines that come
+    # Ours (as `auto` runs it, and each send design), the baselines that come
     # within a few percent of it, the two GEMM floors and the gather alone.
-    contenders=("pallas", "pallas_forward", "pallas_push", "user_bsp",
+    contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )
 

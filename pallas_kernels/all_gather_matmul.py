@@ -17,7 +17,13 @@ sits in shared memory for the `wgmma` of one of its row chunk's first tiles
 the stage is released a step later, once the store has read it, so the
 sending warpgroup runs the next step's wgmma meanwhile instead of stalling)
 and signals when that tile's K loop ends; a tile of a remote step waits for
-its own (source, chunk) semaphore. "push" has some blocks copy pieces
+its own (source, chunk) semaphore. "ring" forwards the same way, but only to
+the previous device, me - 1 (whose step 1 reads this device's rows), and the
+tiles of every step s < D - 1 forward the rows they read (source me + s, which
+me - 1 reads at its step s + 1) on to it: each chunk goes around the devices
+one hop per step, every device sends one copy of a shard per step instead of
+D - 1 copies of its own in step 0, and a forward stores once instead of D - 1
+times. At D = 2 it is "forward". "push" has some blocks copy pieces
 [cta_m, push_cols] of the shard to the peers in K order before their first
 tile (the grid spans every SM, so at one wave of tiles the SMs without a tile
 push) and signal each piece once it has landed; a remote tile's memory
@@ -29,8 +35,10 @@ run side by side and stream B from HBM once. Per-chunk or per-group dataflow,
 no global barrier. Neither sender ever waits for a peer, and a block finishes
 its sends before it waits for anything, so the exchange cannot deadlock as
 long as every block of the persistent grid (at most one per SM) is resident
-at once; a kernel that XLA ran concurrently on another stream and that held
-SMs could break that (not seen; the grid is sized to the SMs).
+at once (with "ring", a step-s tile waits only for step s - 1 tiles of
+me + 1, which come earlier in every block's order); a kernel that XLA ran
+concurrently on another stream and that held SMs could break that (not seen;
+the grid is sized to the SMs).
 
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,
@@ -69,6 +77,7 @@ from pallas_kernels import signals
 from pallas_kernels import vma
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+SENDS = ("forward", "ring", "push")
 # The GPU kernel's name in profiles: `<KERNEL_NAME>_mosaic_gpu_kernel`.
 KERNEL_NAME = "all_gather_matmul"
 # Fewer pushing blocks than this leave NVLink underused when they also have
@@ -100,6 +109,10 @@ class AllGatherMatmulConfig:
         the K steps of a row chunk spread over its first tiles; each
         signals when its K loop ends. Best when the tiles take several waves,
         so remote tiles never wait.
+      "ring": "forward" to the previous device only, from the tiles of every
+        step but the last, which pass on the rows they read; each device
+        sends one shard per step (D = 2: "forward"). Experimental: lowers
+        and passes the CPU tests, not yet run on GPUs at D > 2.
       "push": before its GEMM tiles (if it has any), warpgroup 0 of each of
         the last `pushers` blocks copies pieces [cta_m, push_cols] of the
         local shard HBM -> SMEM -> peers in K order and signals each once it
@@ -116,7 +129,7 @@ class AllGatherMatmulConfig:
       chunks. Must divide M_shard / tiles.cta_m.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
-  send: Literal["forward", "push"] = "forward"
+  send: Literal["forward", "ring", "push"] = "forward"
   pushers: int | None = None
   strip_chunks: int | None = None
 
@@ -176,8 +189,8 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, AllGatherMatmulConfig):
     return f"config must be an AllGatherMatmulConfig, got {type(config).__name__}."
-  if config.send not in ("forward", "push"):
-    return f"config.send must be 'forward' or 'push', got {config.send!r}."
+  if config.send not in SENDS:
+    return f"config.send must be one of {SENDS}, got {config.send!r}."
   if config.pushers is not None and config.pushers < 1:
     return f"config.pushers must be None or >= 1, got {config.pushers}."
   return (config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
@@ -229,7 +242,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # The sends carry the rows to the peers and, if asked, into the own copy of
   # the gathered x; with one device and no copy there is nothing to send.
   sends = remote or (exchange and return_gathered)
-  forward_mode = sends and config.send == "forward"
+  ring = remote and config.send == "ring"
+  forward_mode = sends and config.send in ("forward", "ring")
   push_mode = sends and config.send == "push"
   # Pushing, the grid spans every SM: blocks past the last tile only push.
   grid = num_sms if push_mode else min(num_sms, d * tiles_per_step)
@@ -274,6 +288,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     arrived = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks, parts)))
                if remote else None)
     peers = [{axis_name: lax.rem(me + offset, d)} for offset in range(1, d)] if remote else []
+    # Where forwarded rows go: every peer, or with "ring" the one that reads
+    # them next, me - 1.
+    receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
 
     def tile(scratch, info):
       lin = info.index[0]
@@ -286,13 +303,21 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
       out_tile = out_ref.at[pl.ds(row0, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
       forwards = (wg == 0) & (visit < forwarders)
+      if ring:  # every step's rows are passed on, but the last step's (me - 1 has them)
+        forwards &= step < d - 1
       dst_rows = pl.ds(row0, tiles.cta_m)
 
       @jax.named_scope("forward")
       def forward(k_idx, a_smem):
         cols = pl.ds(k_idx * tiles.tile_k, tiles.tile_k)
-        dsts = [plgpu.remote_ref(gathered_ref, peer) for peer in peers]
-        dsts += [gathered_ref] if return_gathered else []
+        dsts = [plgpu.remote_ref(gathered_ref, peer) for peer in receivers]
+        own = [gathered_ref] if return_gathered else []
+        if ring:  # the own copy of the local rows only; received rows are in place
+          for dst in own:
+            pl.when(step == 0)(lambda dst=dst: plgpu.copy_smem_to_gmem(
+                a_smem, dst.at[dst_rows, cols], commit_group=False))
+        else:
+          dsts += own
         for i, dst in enumerate(dsts):
           plgpu.copy_smem_to_gmem(a_smem, dst.at[dst_rows, cols], commit_group=i == len(dsts) - 1)
 
@@ -304,8 +329,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         @jax.named_scope("signal")
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          for peer in peers:
-            signals.signal(plgpu.remote_ref(arrived.at[me, chunk, 0], peer), "sys")
+          for peer in receivers:
+            signals.signal(plgpu.remote_ref(arrived.at[src, chunk, 0], peer), "sys")
 
       if not exchange:
         with jax.named_scope("tile"):
@@ -354,8 +379,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           return
         with jax.named_scope("wait_chunk"):
           pl.semaphore_wait(arrived.at[src, chunk, 0], forwarders, decrement=False)
+        passing = dict(send_a=send_a, after_k=signal_chunk) if ring else {}
         with jax.named_scope("remote_tile"):
-          core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
+          core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **passing, **order)
 
     def push(stages, loaded):
       """Warpgroup 0 of the r-th block from the grid's end sends pieces r,

@@ -232,8 +232,8 @@ def test_per_shard_and_sharded_wrapper_match_float32_reference(shape, dtype):
     _check(wrapped, expected, dtype, k, "sharded_all_gather_matmul out", m_shard)
 
 
-# Both send designs forced on shapes where the heuristic picks either, with the
-# gathered x returned: (shape, dtype).
+# Each send design forced on shapes where the heuristic picks forward or push,
+# with the gathered x returned: (shape, dtype). ("ring" is "forward" at D = 2.)
 SEND_CASES = [
     ((1024, 4096, 4096), BF16),   # 8 row chunks
     ((192, 8192, 2560), F16),     # 3 chunks of 64 rows, 10 column tiles
@@ -243,7 +243,7 @@ SEND_CASES = [
 
 
 @TIMEOUT
-@pytest.mark.parametrize("send", ["forward", "push"])
+@pytest.mark.parametrize("send", kernel.SENDS)
 @pytest.mark.parametrize("shape,dtype", SEND_CASES,
                          ids=[f"{_shape_id(s)}-{d.name}" for s, d in SEND_CASES])
 def test_send_design_with_return_gathered(shape, dtype, send):
@@ -261,7 +261,7 @@ def test_send_design_with_return_gathered(shape, dtype, send):
 
 
 @TIMEOUT
-@pytest.mark.parametrize("send", ["forward", "push"])
+@pytest.mark.parametrize("send", kernel.SENDS)
 def test_single_device_axis(send):
   """D = 1: no peers, no semaphores; the own gathered copy is still written."""
   mesh = _mesh_1d(1)
@@ -307,7 +307,7 @@ def test_2d_mesh_over_model_with_data_batch_axis(shape, dtype, data):
 
 
 @TIMEOUT
-@pytest.mark.parametrize("send", ["forward", "push"])
+@pytest.mark.parametrize("send", kernel.SENDS)
 def test_repeated_calls_each_with_new_data(send):
   """One jitted fn called 5 times without blocking, each call on different x
   and w (a call reading a previous call's buffers or signals gives a wrong
@@ -369,7 +369,7 @@ SCAN_SHAPE = (256, 1024, 512)  # per shard: 2 row chunks, 2 column tiles at most
 
 @TIMEOUT
 @pytest.mark.parametrize("api,send", [("sharded", None), ("per_shard", "forward"),
-                                      ("per_shard", "push")])
+                                      ("per_shard", "ring"), ("per_shard", "push")])
 def test_scan_over_50_layers(api, send):
   """lax.scan over 50 layers, each its own w (stacked [50, K, N], N sharded),
   each layer's x a function of the previous one; all 50 outputs checked."""

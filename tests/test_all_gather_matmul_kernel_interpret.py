@@ -118,9 +118,9 @@ def test_cases_cover_what_they_claim():
 def test_kernel_matches_float64_reference(case, interpreter):
   d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = case
   # The send design only changes the exchange, which Pregathered replaces:
-  # both must take the same compute path. Every third case orders its tiles
+  # each must take the same compute path. Every third case orders its tiles
   # in strips of one row chunk (odd strips visit the columns in reverse).
-  send = ("forward", "push")[CASES.index(case) % 2]
+  send = agm.SENDS[CASES.index(case) % len(agm.SENDS)]
   strip = 1 if CASES.index(case) % 3 == 0 else None
   config = _config(tile_n, wg_split, send, strip)
   gathered, w = _inputs(d, m_shard, k, dtype, index, wg_split, tile_n, num_sms)
@@ -195,7 +195,7 @@ def _hooked_gemm(x, w, tiles, interpret, hooks, *, a_from_second=False, scratch=
     pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes=gemm_core.WG_AXIS)
 
   out_type = (jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((m, k), x.dtype))
-  return gemm_core.launch(kernel, out_type=out_type, num_sms=1,
+  return gemm_core.launch(kernel, name="hooked_gemm", out_type=out_type, num_sms=1,
                           interpret=interpret)(jnp.asarray(x), jnp.asarray(w))
 
 
@@ -355,11 +355,11 @@ def test_other_config_types_are_rejected():
 def test_unknown_send_design_is_rejected():
   config = agm.AllGatherMatmulConfig(send="pull")
   assert agm.unsupported_reason(1024, 4096, 4096, BF16, config) == (
-      "config.send must be 'forward' or 'push', got 'pull'.")
+      "config.send must be one of ('forward', 'ring', 'push'), got 'pull'.")
 
 
-@pytest.mark.parametrize("send", ["forward", "push"])
-def test_both_send_designs_are_accepted(send):
+@pytest.mark.parametrize("send", agm.SENDS)
+def test_every_send_design_is_accepted(send):
   config = agm.AllGatherMatmulConfig(send=send)
   assert agm.unsupported_reason(1024, 4096, 4096, BF16, config) is None
 
@@ -451,13 +451,15 @@ def test_outputs_are_typed_varying_over_the_axis():
     (2, (1024, 4096, 4096), "forward"),
     (2, (128, 8192, 7168), "push"),
     (4, (512, 8192, 7168), "forward"),
+    (4, (1024, 4096, 4096), "ring"),
+    (3, (256, 2048, 2048), "ring"),
     (4, (64, 3072, 2560), "push"),
     (1, (384, 3072, 2560), "forward"),
     (1, (384, 3072, 2560), "push"),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gathered):
   """The exchange (remote TMA stores, semaphores, per-chunk waits) lowers
-  for CUDA, with both send designs, at D = 1, 2 and 4, with and without the
+  for CUDA, with each send design, at D = 1 to 4, with and without the
   own rows of the gathered x (the interpreter cannot run it); the gathered x
   comes back only when asked for; with peers, each chunk is announced by a
   release-ordered add (`signals.signal`)."""
