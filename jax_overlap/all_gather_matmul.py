@@ -64,6 +64,11 @@ _AUTO_BSP_MAX_ROWS = 128
 _AUTO_BSP_MIN_COLS = 8192
 
 
+def _key(p: Problem) -> str:
+  """The problem's key in the tuned tables."""
+  return tuned.problem_key(p.axis_size, p.m_shard, p.k, p.n_shard, p.dtype)
+
+
 def _small_m_rule(p: Problem) -> str | None:
   if p.m_shard <= _AUTO_BSP_MAX_ROWS and p.n_shard >= _AUTO_BSP_MIN_COLS:
     return (f"reported about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
@@ -115,7 +120,7 @@ def _pallas(x, w, axis_name, return_gathered, problem):
 
 
 _OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
-                           OP, lambda p: (p.m_shard, p.k, p.n_shard), _small_m_rule)),
+                           OP, _key, _small_m_rule)),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

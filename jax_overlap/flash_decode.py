@@ -15,6 +15,7 @@ import numpy as np
 from jax_overlap import _validate
 from jax_overlap import decode_bsp
 from jax_overlap import dispatch
+from jax_overlap import tuned
 from jax_overlap import xla_paths
 from pallas_kernels import flash_decode as kernel
 from pallas_kernels import platform
@@ -56,11 +57,38 @@ def _pallas_bsp_support(p: Problem) -> str | None:
       p.head_dim, p.s_shard, p.dtype)
 
 
-# "auto": the fused kernel; else, on an NVIDIA GPU, a fast local kernel and an
-# all-gather (XLA's einsum attention is ~3x slower than a local kernel); else XLA.
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support),
-                       "pallas_bsp": dispatch.Impl(_pallas_bsp_support),
-                       "xla_bsp": dispatch.Impl()}, ("pallas", "pallas_bsp", "xla_bsp"))
+def _key(p: Problem) -> str:
+  """The problem's key in the auto table."""
+  return tuned.decode_key(p.axis_size, p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard,
+                          p.dtype)
+
+
+# Below this many (sequence, KV head) pairs at D >= 3, the fused kernel's
+# exchange and combine outweigh its local attention: H100 x4, B = 1, Hkv = 8,
+# 32K positions: 52.1 µs against 37.5 for the Triton kernel + all-gather +
+# merge (`pallas_bsp`'s pipeline); at B x Hkv = 64 (8 x 8) it was 1.19x ahead.
+# A small ragged GQA case (Hkv = 2) was also behind BSP at D = 4.
+_AUTO_BSP_MAX_PAIRS = 16
+
+
+def _few_pairs_rule(p: Problem) -> str | None:
+  pairs = p.batch * p.kv_heads
+  if p.axis_size >= 3 and pairs < _AUTO_BSP_MAX_PAIRS and _pallas_bsp_support(p) is None:
+    return (f"measured slower than pallas_bsp at D >= 3 with fewer than {_AUTO_BSP_MAX_PAIRS}"
+            f" (sequence, KV head) pairs ({p.batch} x {p.kv_heads} here; H100 x4, 1 x 8:"
+            " 52.1 against 37.5 µs); impl='pallas' runs it.")
+  return None
+
+
+# "auto": the fused kernel where measured (or, untimed, ruled) faster; else, on
+# an NVIDIA GPU, a fast local kernel and an all-gather (XLA's einsum attention
+# is ~3x slower than a local kernel); else XLA. The auto table
+# (`tuned.auto_reason`) decides between all three for its exact problems.
+_OP = dispatch.Op(OP, {
+    "pallas": dispatch.Impl(_pallas_support, tuned.measured_first(OP, _key, _few_pairs_rule)),
+    "pallas_bsp": dispatch.Impl(_pallas_bsp_support, tuned.measured_first(
+        OP, _key, dispatch.always, impl="pallas_bsp")),
+    "xla_bsp": dispatch.Impl()}, ("pallas", "pallas_bsp", "xla_bsp"))
 
 
 def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
@@ -127,7 +155,9 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
     impl: "auto" tries, in order:
       "pallas": the fused kernel (Hopper; bf16/fp16, Dh 64 or 128, S_shard a
         multiple of its block_kv * splits): local attention and exchange of
-        the partials in one persistent kernel;
+        the partials in one persistent kernel; "auto" skips it where it was
+        measured slower (the auto table of this GPU, else: D >= 3 with fewer
+        than 16 (sequence, KV head) pairs);
       "pallas_bsp": on any NVIDIA GPU (compute capability >= 8.0; bf16/fp16,
         Dh 64 or 128, S_shard split by `decode_bsp.kernel_params`): JAX's
         Pallas Triton decode kernel over the local slice, `lax.all_gather`

@@ -67,6 +67,11 @@ _AUTO_MIN_ROWS = {1: 0, 2: 128}
 _AUTO_MIN_ROWS_MANY = 2048
 
 
+def _key(p: Problem) -> str:
+  """The problem's key in the auto table."""
+  return tuned.problem_key(p.axis_size, p.m, p.k_shard, p.n, p.dtype)
+
+
 def _rows_rule(p: Problem) -> str | None:
   rows = p.m // p.axis_size
   least = _AUTO_MIN_ROWS.get(p.axis_size, _AUTO_MIN_ROWS_MANY)
@@ -109,7 +114,7 @@ def _fused_bwd(axis_name, config, residuals, d_out):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 _OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
-                           OP, lambda p: (p.m, p.k_shard, p.n), _rows_rule)),
+                           OP, _key, _rows_rule)),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

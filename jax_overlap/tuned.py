@@ -6,10 +6,11 @@ Per device kind, `data/<device kind>/`:
   `benchmarks/tune_all_gather_matmul.py` writes it on the GPU; `config=None`
   takes a tuned entry for the exact problem where one exists and the kernel's
   heuristic otherwise.
-- `<op>_auto.json` maps a problem key to {"impl": the faster of "pallas" and
-  "xla_bsp", "us": {impl: µs}}, measured side by side
-  (`benchmarks/auto_grid.py --write_table`); "auto" follows it for those exact
-  problems and the op's rule elsewhere.
+- `<op>_auto.json` maps a problem key (`problem_key`, `decode_key`) to
+  {"impl": the fastest of the impls timed, "us": {impl: µs}}, measured side
+  by side (`benchmarks/auto_grid.py --write_table`): "pallas" and "xla_bsp"
+  for the matmul ops, and "pallas_bsp" too for flash_decode. "auto" follows it
+  for those exact problems and the op's rule elsewhere.
 """
 
 import functools
@@ -54,37 +55,45 @@ def all_gather_matmul_config(device_kind: str, axis_size: int, m_shard: int, k: 
   return None if entry is None else ag_kernel.AllGatherMatmulConfig.from_dict(entry["config"])
 
 
-def auto_entry(device_kind: str, op: str, axis_size: int, m: int, k: int, n: int,
-               dtype) -> dict | None:
-  """The measured choice of "auto" for this exact problem, or None."""
-  return load(device_kind, f"{op}_auto").get(problem_key(axis_size, m, k, n, dtype))
+def decode_key(axis_size: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+               s_shard: int, dtype) -> str:
+  """"D=4 b=8 hq=64 hkv=8 dh=128 s=2048 bfloat16": one per-shard flash_decode
+  problem (s: cache positions per device)."""
+  return (f"D={axis_size} b={batch} hq={q_heads} hkv={kv_heads} dh={head_dim} s={s_shard}"
+          f" {jnp.dtype(dtype).name}")
 
 
-def auto_reason(device_kind: str, op: str, axis_size: int, m: int, k: int, n: int,
-                dtype) -> tuple[bool, str | None]:
-  """(whether the auto table has this problem, why "auto" must not take the
-  kernel here: None where the kernel was measured faster)."""
-  entry = auto_entry(device_kind, op, axis_size, m, k, n, dtype)
-  if entry is None:
+def auto_entry(device_kind: str, op: str, key: str) -> dict | None:
+  """The measured choice of "auto" for the problem `key`, or None."""
+  return load(device_kind, f"{op}_auto").get(key)
+
+
+def auto_reason(device_kind: str, op: str, key: str, impl: str) -> tuple[bool, str | None]:
+  """(whether the auto table has problem `key` with `impl` timed in it, why
+  "auto" must not take `impl` there: None where `impl` was measured fastest)."""
+  entry = auto_entry(device_kind, op, key)
+  if entry is None or impl not in entry["us"]:
     return False, None
-  if entry["impl"] == "pallas":
+  best = entry["impl"]
+  if best == impl:
     return True, None
   us = entry["us"]
-  return True, (f"measured slower than xla_bsp on {device_kind} for this problem"
-                f" ({us['pallas']:.1f} against {us['xla_bsp']:.1f} µs,"
-                f" {table_path(device_kind, op + '_auto').name}); impl='pallas' runs it.")
+  return True, (f"measured slower than {best} on {device_kind} for this problem"
+                f" ({us[impl]:.1f} against {us[best]:.1f} µs,"
+                f" {table_path(device_kind, op + '_auto').name}); impl={impl!r} runs it.")
 
 
-def measured_first(op: str, dims, rule):
-  """An auto rule (see `dispatch.Impl`): the measured table's verdict for
-  the exact problem (`auto_reason`), else `rule(problem)`.
+def measured_first(op: str, key, rule, impl: str = "pallas"):
+  """An auto rule of `impl` (see `dispatch.Impl`): the measured table's
+  verdict for the exact problem (`auto_reason`), else `rule(problem)`.
 
   Args:
     op: the op's name (its table is `<op>_auto.json`).
-    dims: problem -> (m, k, n) as the table's keys take them.
+    key: problem -> its key in the table (`problem_key`, `decode_key`).
     rule: problem -> None or a reason, for problems the table lacks.
+    impl: the impl the rule is for.
   """
   def check(p) -> str | None:
-    known, reason = auto_reason(platform.device_kind(), op, p.axis_size, *dims(p), p.dtype)
+    known, reason = auto_reason(platform.device_kind(), op, key(p), impl)
     return reason if known else rule(p)
   return check

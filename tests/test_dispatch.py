@@ -222,6 +222,69 @@ def test_auto_follows_the_measured_table_for_its_exact_problems(winner, monkeypa
     tuned.load.cache_clear()
 
 
+def _as_on_hopper(monkeypatch, device_kind="Test GPU"):
+  """Every kernel's platform check passes, as on Hopper GPUs of `device_kind`."""
+  from jax_overlap import decode_bsp  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: device_kind)
+  monkeypatch.setattr(decode_bsp, "gpu_unavailable_reason", lambda: None)
+
+
+def _decode_shapes(b, s_shard, hq=64, hkv=8, dh=128):
+  kv = S(b, s_shard, hkv, dh)
+  return S(b, hq, dh), kv, kv, S(b, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("d,b,impl", [(4, 1, "pallas_bsp"), (4, 8, "pallas"), (2, 1, "pallas"),
+                                      (8, 1, "pallas_bsp")])
+def test_auto_takes_the_fused_decode_only_where_measured_faster(d, b, impl, monkeypatch, tmp_path):
+  """Without a table entry: at D >= 3 with few (sequence, KV head) pairs the
+  fused kernel was measured slower than the Triton kernel + all-gather +
+  merge, which "auto" then takes, saying why; named, the kernel runs."""
+  from jax_overlap import tuned  # pylint: disable=import-outside-toplevel
+  _as_on_hopper(monkeypatch)
+  monkeypatch.setattr(tuned, "DATA_DIR", tmp_path)  # no tables
+  tuned.load.cache_clear()
+  try:
+    args = _decode_shapes(b, 32768 // d)
+    choice = jax_overlap.explain_flash_decode(*args, axis_size=d)
+    assert choice.impl == impl
+    if impl == "pallas_bsp":
+      assert "(sequence, KV head) pairs" in dict(choice.rejected)["pallas"]
+    assert jax_overlap.explain_flash_decode(*args, axis_size=d, impl="pallas").impl == "pallas"
+  finally:
+    tuned.load.cache_clear()
+
+
+@pytest.mark.parametrize("winner", ["pallas", "pallas_bsp", "xla_bsp"])
+def test_auto_follows_the_decode_table_over_all_three_impls(winner, monkeypatch, tmp_path):
+  """A flash_decode_auto.json entry decides between the fused kernel, the
+  Triton BSP pipeline and XLA for its exact problem, against the rule (which
+  gives pallas_bsp at D = 4, B = 1); the rejected impls name the table."""
+  from jax_overlap import tuned  # pylint: disable=import-outside-toplevel
+  _as_on_hopper(monkeypatch)
+  monkeypatch.setattr(tuned, "DATA_DIR", tmp_path)
+  tuned.load.cache_clear()
+  path = tuned.table_path("Test GPU", "flash_decode_auto")
+  path.parent.mkdir(parents=True)
+  key = tuned.decode_key(4, 1, 64, 8, 128, 8192, BF16)
+  assert key == "D=4 b=1 hq=64 hkv=8 dh=128 s=8192 bfloat16"
+  us = {"pallas": 40.0, "pallas_bsp": 45.0, "xla_bsp": 50.0}
+  us[winner] = 30.0
+  path.write_text(json.dumps({key: {"impl": winner, "us": us}}))
+  try:
+    choice = jax_overlap.explain_flash_decode(*_decode_shapes(1, 8192), axis_size=4)
+    assert choice.impl == winner
+    for name, reason in choice.rejected:
+      assert f"slower than {winner}" in reason and "flash_decode_auto.json" in reason, name
+    other = jax_overlap.explain_flash_decode(*_decode_shapes(1, 4096), axis_size=4)
+    assert other.impl == "pallas_bsp"  # not in the table: the rule
+  finally:
+    tuned.load.cache_clear()
+
+
 def test_explain_with_an_axis_name_checks_the_processes(monkeypatch):
   """With axis_name, explain asks where the axis's devices live, as the op
   does when traced: an axis across processes keeps the kernels off."""
