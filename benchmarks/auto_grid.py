@@ -15,7 +15,7 @@ A point is an op's per-shard problem at one D, on the first D devices (bf16):
                          batch B and total cache length S (full lengths
                          given as kv_lens, as the model decodes); points
                          whose K/V exceed --max_kv_gib per device are left out
-The op's impls (`GridOp.impls`: pallas and xla_bsp, and for flash_decode
+The op's impls (`GRIDS[op].impls`: pallas and xla_bsp, and for flash_decode
 pallas_bsp between them), each where `explain(impl=...)` accepts it, are
 re-timed by CUPTI in `--rounds` interleaved rounds (median); `auto` runs the
 program of the impl that `explain` names for it, so its figure is that impl's.
