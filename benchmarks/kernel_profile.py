@@ -6,7 +6,8 @@
 
 Runs the fused kernel and its exchange-free counterpart (all_gather_matmul:
 the core on the pre-gathered x; flash_decode: the kernel on the local slice;
-matmul_reduce_scatter: the same schedule storing every partial locally)
+matmul_reduce_scatter: the same schedule storing every partial locally, and
+the kernel with each experimental config variant, `rs_kernel.VARIANTS`)
 with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
 back to back after a warm-up, and prints, per kernel trace, the span of each
 named scope the kernels mark (pallas_kernels docstrings list them): how many,
@@ -175,6 +176,9 @@ def _kernels(op: str, dims: tuple[int, ...]):
     args = (inputs.x, inputs.w)
     specs = (rs_bench.X_SPEC, rs_bench.W_SPEC)
     return {"fused": (rs_bench.ours_fn(mesh, "pallas", config), args),
+            **{f"fused, {v} (experimental)": (rs_bench.ours_fn(mesh, "pallas", variant(config)),
+                                              args)
+               for v, variant in rs_kernel.VARIANTS.items()},
             "no exchange (partials stored locally)": (
                 spmd.per_shard(local, mesh, specs, P(spmd.AXIS)), args)}
   shape = shapes.FlashDecodeShape(*dims)

@@ -9,8 +9,9 @@ x @ w, [M / D, N].
 Cases:
   ours      pallas: the fused kernel, run whenever `explain(impl="pallas")`
             accepts (Hopper), also where "auto" does not take it;
-            pallas_staged: the same with its epilogue staging each tile
-            whole (`staged_epilogue`, experimental);
+            pallas_staged, pallas_add_all: the same with each experimental
+            config variant (`rs_kernel.VARIANTS`: the epilogue staging each
+            tile whole; the output zeroed first, every partial reduce-added);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -64,6 +65,14 @@ def _user_bsp(x, w):
   return lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True)
 
 
+def _explain(shape: shapes.MatmulReduceScatterShape, mesh):
+  """(impl, config=None) -> `explain_matmul_reduce_scatter`'s choice for the shape."""
+  return lambda impl, config=None: jax_overlap.explain_matmul_reduce_scatter(
+      jax.ShapeDtypeStruct((shape.m, shape.k_shard), DTYPE),
+      jax.ShapeDtypeStruct((shape.k_shard, shape.n), DTYPE),
+      axis_size=mesh.size, impl=impl, config=config)
+
+
 def _pallas(mesh, explain, args, config=None) -> runner.Built:
   cases.require_hopper("our kernel")
   try:
@@ -74,11 +83,17 @@ def _pallas(mesh, explain, args, config=None) -> runner.Built:
                       {"explain": str(choice), "config": repr(config)})
 
 
-def _staged_config(shape: shapes.MatmulReduceScatterShape, mesh):
+def _variant_config(shape: shapes.MatmulReduceScatterShape, mesh, variant: str):
   cases.require_hopper("our kernel")
-  return rs_kernel.staged_epilogue(rs_kernel.default_config(
+  return rs_kernel.VARIANTS[variant](rs_kernel.default_config(
       shape.m // mesh.size, shape.k_shard, shape.n, DTYPE, axis_size=mesh.size,
       num_sms=platform.num_sms()))
+
+
+def _pallas_variant(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
+                    variant: str) -> runner.Built:
+  return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
+                 _variant_config(shape, ctx.mesh, variant))
 
 
 def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
@@ -92,10 +107,7 @@ def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runne
 def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> list[runner.Case]:
   mesh, inputs = ctx.mesh, ctx.inputs
   args = (inputs.x, inputs.w)
-  explain = lambda impl, config=None: jax_overlap.explain_matmul_reduce_scatter(
-      jax.ShapeDtypeStruct((shape.m, shape.k_shard), DTYPE),
-      jax.ShapeDtypeStruct((shape.k_shard, shape.n), DTYPE),
-      axis_size=mesh.size, impl=impl, config=config)
+  explain = _explain(shape, mesh)
   ours = lambda impl: runner.Built(ours_fn(mesh, impl), args)
   user_bsp = lambda: runner.Built(
       spmd.per_shard(_user_bsp, mesh, (X_SPEC, W_SPEC), OUT_SPEC), args)
@@ -104,8 +116,8 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       spmd.per_shard(jnp.dot, mesh, (X_SPEC, W_SPEC), P(AXIS, None)), args)
   return [
       runner.Case("pallas", "ours", lambda: _pallas(mesh, explain, args)),
-      runner.Case("pallas_staged", "ours",
-                  lambda: _pallas(mesh, explain, args, _staged_config(shape, mesh))),
+      *(runner.Case(f"pallas_{v}", "ours", functools.partial(_pallas_variant, shape, ctx, v))
+        for v in rs_kernel.VARIANTS),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -132,7 +144,8 @@ OP = runner.OpSpec(
     comm_alone="reduce_scatter_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
-    contenders=("pallas", "pallas_staged", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+    contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "user_bsp", "gemm_alone",
+                "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

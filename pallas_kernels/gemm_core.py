@@ -265,6 +265,35 @@ class TileMatmul:
     """The ring's depth: the pipeline caps it at the K steps."""
     return min(self.tiles.stages, self.k_steps)
 
+  def warpgroup_part(self, wg):
+    """(rows, cols): compute warpgroup `wg`'s part of a [cta_m, cta_n] tile."""
+    t = self.tiles
+    if t.wg_split == "m":
+      return pl.ds(wg * t.tile_m, t.tile_m), slice(None)
+    return slice(None), pl.ds(wg * t.tile_n, t.tile_n)
+
+  def zero_fill(self, scratch, out_tiles) -> None:
+    """Called by both compute warpgroups before the block's first tile:
+    TMA-stores zeros into their part of every [cta_m, cta_n] GMEM ref that
+    `out_tiles(store)` hands to `store` (e.g. from a loop), through the
+    epilogue's shared memory, and waits until the zeros have landed."""
+    t = self.tiles
+    wg = lax.axis_index(WG_AXIS)
+    smem = scratch["out_smem"].at[wg, 0]
+    smem[...] = jnp.zeros((t.epi_tile_m, t.epi_tile_n), self.out_dtype)
+    plgpu.commit_smem()
+    granules = list(itertools.product(range(t.tile_m // t.epi_tile_m),
+                                      range(t.tile_n // t.epi_tile_n)))
+
+    def store(tile_ref):
+      part = tile_ref.at[self.warpgroup_part(wg)]
+      for gm, gn in granules:
+        plgpu.copy_smem_to_gmem(smem, part.at[pl.ds(gm * t.epi_tile_m, t.epi_tile_m),
+                                              pl.ds(gn * t.epi_tile_n, t.epi_tile_n)])
+
+    out_tiles(store)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
   def scratch(self, a_gmem, b_gmem) -> dict:
     """Shared-memory allocations, as keyword arguments for `pl.run_scoped`."""
     t = self.tiles
@@ -312,10 +341,7 @@ class TileMatmul:
     """
     t = self.tiles
     wg = lax.axis_index(WG_AXIS)
-    if t.wg_split == "m":
-      wg_rows, wg_cols = pl.ds(wg * t.tile_m, t.tile_m), slice(None)
-    else:
-      wg_rows, wg_cols = slice(None), pl.ds(wg * t.tile_n, t.tile_n)
+    wg_rows, wg_cols = self.warpgroup_part(wg)
 
     if send_a is not None and not self.sends_a:
       raise ValueError("send_a needs a core built with sends_a=True.")

@@ -32,8 +32,17 @@ Semaphores: landed[t, wg] on the owner counts the peers' halves of its tile
 t; first_in[s, t, wg] on the step-s sender says that the step-0 sender's
 half has landed at the owner.
 
-Deadlock freedom: step-0 tiles wait for nothing; later peer tiles wait only
-for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
+With `config.add_all` (experimental), each device first zeroes its own output
+(every block its share of the tiles, before its first tile) and announces
+that to every device (`ready`); then every partial, the peers' and the own,
+is reduce-added, each after the owner's `ready`, so no later sender waits for
+the first one's store (at D > 2 with few waves per step that wait is a whole
+tile: the first sender announces a tile one tile late). The own tiles still
+wait for the D - 1 peers' partials, so that the output is complete on exit.
+
+Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
+zeroing that every block does before its first tile); later peer tiles wait
+only for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
 block issues its pending signal before anything it waits for, and every
 block of the persistent grid (one per SM, at most the SM count) is resident
 at once. Every signal and every store into a device is awaited by that device
@@ -77,9 +86,13 @@ class MatmulReduceScatterConfig:
     strip_chunks: the tile order within one row block: strips of this many
       row chunks (see `gemm_core.strip_position`); None: one strip. Must
       divide the row chunks per block.
+    add_all: zero the output first and reduce-add every partial (see the
+      module). Experimental: lowers and passes the CPU tests, not yet run on
+      GPUs; `default_config` does not set it.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
+  add_all: bool = False
 
   def padded_rows(self, rows: int) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -114,6 +127,17 @@ def staged_epilogue(config: MatmulReduceScatterConfig) -> MatmulReduceScatterCon
   tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=t.tile_m,
                               epi_tile_n=t.tile_n, epi_slots=1)
   return dataclasses.replace(config, tiles=tiles)
+
+
+def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
+  """`config` with the output zeroed first and every partial reduce-added
+  (`MatmulReduceScatterConfig.add_all`; experimental)."""
+  return dataclasses.replace(config, add_all=True)
+
+
+# The experimental variants of a config, by name (benchmarked and GPU-tested
+# beside the default; not taken by `default_config` until measured faster).
+VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all}
 
 
 def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
@@ -180,6 +204,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   grid = min(num_sms, total)
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
   remote = exchange and d > 1
+  add_all = remote and config.add_all
 
   def body(x_ref, w_ref, out_ref):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
@@ -188,7 +213,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     if remote:
       landed = pl.get_global(plgpu.SemaphoreType.REGULAR((per_step, 2)))
       first_in = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, per_step, 2)))
-                  if d > 2 else None)
+                  if d > 2 and not add_all else None)
+      # ready[o]: how many of device o's compute warpgroups have zeroed their
+      # share of o's output (add_all).
+      ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,))) if add_all else None
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
@@ -249,6 +277,12 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           def _():
             pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
             signals.async_proxy_fence()
+        if ready is not None:  # once per owner: the block's first tile of each step
+          @pl.when((info.local_index == 0) | ((lin - grid) // per_step != step))
+          @jax.named_scope("wait_ready")
+          def _():
+            pl.semaphore_wait(ready.at[owner(step)], 2 * grid, decrement=False)
+            signals.async_proxy_fence()
 
         @pl.when(step == d - 1)
         @jax.named_scope("wait_peers")
@@ -257,14 +291,31 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           signals.async_proxy_fence()
 
       stores = [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
-                                    when=step == s, reduction="add" if s else None)
+                                    when=step == s, reduction="add" if s or add_all else None)
                 for s in range(d - 1)]
       stores.append(gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add"))
       with jax.named_scope("tile"):
         core(scratch, a_rows, b_cols, stores, after_k=after_k, **order)
 
+    def zero_own_share(scratch):
+      """The compute warpgroups zero this block's share of the output's tiles,
+      then tell every device (add_all)."""
+      def tiles_of_block(store):
+        @pl.loop(sm, per_step, step=grid)
+        def _(t):
+          chunk, n_idx = t // n_tiles, t % n_tiles
+          store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
+                           pl.ds(n_idx * tiles.cta_n, tiles.cta_n)])
+      core.zero_fill(scratch, tiles_of_block)
+      signals.signal(ready.at[me], "gpu")
+      for o in range(1, d):
+        signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
+
     @jax.named_scope("tiles")
     def run_tiles(**scratch):
+      if add_all:
+        pl.when(wg < 2)(jax.named_scope("zero")(lambda: zero_own_share(scratch)))
+
       @plgpu.nd_loop((total,), collective_axes="sm")
       def _(info):
         tile(scratch, info)

@@ -31,6 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from benchmarks import shapes
+from pallas_kernels import matmul_reduce_scatter as kernel
+from pallas_kernels import platform
 
 TIMEOUT = pytest.mark.timeout(300, method="thread")
 pytestmark = [pytest.mark.gpu, TIMEOUT]
@@ -140,6 +142,32 @@ def test_repeated_calls_over_poisoned_memory():
       expected = _partials(mesh, x, w)
       poison().block_until_ready()  # freed at once: the next output reuses it
       _check(f(x, w), expected, BF16, f"call {i}", x.shape[1])
+
+
+@pytest.mark.parametrize("variant", list(kernel.VARIANTS))
+@pytest.mark.parametrize("shape", [DEFAULT_SHAPES[0], (8 * 40, 1024, 2560), (2048, 2048, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_experimental_configs_over_poisoned_memory(variant, shape):
+  """The experimental configs (each warpgroup's tile staged whole; the
+  output zeroed first and every partial reduce-added): every device's rows,
+  3 calls with new data each after a NaN fill of the memory the next output
+  takes (a partial added to a stale or unzeroed tile
+  shows up as NaN or a wrong value)."""
+  mesh = _mesh()
+  d = mesh.shape[AXIS]
+  m, k_shard, n = shape
+  config = kernel.VARIANTS[variant](kernel.default_config(m // d, k_shard, n, BF16, axis_size=d,
+                                                   num_sms=platform.num_sms()))
+  assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config) is None
+  f = _fused(mesh, config=config)
+  poison = jax.jit(lambda: jnp.full((m, n), jnp.nan, BF16),
+                   out_shardings=jax.NamedSharding(mesh, P(AXIS, None)))
+  with jax.set_mesh(mesh):
+    for i in range(3):
+      x, w = _operands(mesh, m, k_shard, n, BF16, "variant", variant, shape, i)
+      expected = _partials(mesh, x, w)
+      poison().block_until_ready()
+      _check(f(x, w), expected, BF16, f"{variant} call {i}", x.shape[1])
 
 
 def test_scan_over_50_layers():

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
@@ -189,9 +190,68 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   assert ("fence.proxy.async.global" in module) == (d > 1)
 
 
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_add_all_lowers_for_cuda_without_first_in_waits(d):
+  """add_all (experimental): the zeroing, the local and remote `ready`
+  signals and the reduce-adds of every step lower for CUDA; the later
+  senders' wait for the first sender's store is gone."""
+  m, k, n = 128 * d, 1024, 1024
+  mesh = jax.make_mesh((d,), ("x",))
+
+  def module(add_all):
+    config = dataclasses.replace(
+        rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132), add_all=add_all)
+    f = jax.jit(jax.shard_map(
+        lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
+        mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
+    sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                   sharding=jax.NamedSharding(mesh, spec))
+    return jax.export.export(f, platforms=["cuda"])(
+        sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+
+  base, added = module(False), module(True)
+  assert "red.release.gpu" in added and "red.release.gpu" not in base  # the local ready
+  assert ("wait_first" in base) == (d > 2) and "wait_first" not in added
+  assert "wait_ready" in added
+
+
 def test_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     _config(64, "n").strip_chunks = 2  # type: ignore[misc]
+
+
+# --- add_all: the output zeroed first ------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wg_split,tile_n", [("n", 64), ("m", 128)])
+def test_zero_fill_zeroes_exactly_the_tiles_handed_to_it(wg_split, tile_n, interpreter):
+  """`TileMatmul.zero_fill` (add_all's first phase; the reduce-adds after it
+  run on GPUs only): both compute warpgroups zero their parts of the tiles
+  given, every granule; the rest of the output stays as the interpreter
+  allocated it (NaN)."""
+  tiles = _config(tile_n, wg_split).tiles
+  cta_m, cta_n = tiles.cta_m, tiles.cta_n
+  core = gemm_core.TileMatmul(tiles, 128, BF16, BF16)
+  zeroed = [(0, 0), (1, 2), (0, 2)]
+
+  def body(x_ref, w_ref, out_ref):
+    def run(**scratch):
+      def tiles_to_zero(store):
+        for i, j in zeroed:
+          store(out_ref.at[pl.ds(i * cta_m, cta_m), pl.ds(j * cta_n, cta_n)])
+      wg = jax.lax.axis_index(gemm_core.WG_AXIS)
+      pl.when(wg < 2)(lambda: core.zero_fill(scratch, tiles_to_zero))
+    pl.run_scoped(run, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
+
+  x, w = jnp.ones((cta_m, 128), BF16), jnp.ones((128, cta_n), BF16)
+  out = np.asarray(gemm_core.launch(
+      body, name="zero_fill", out_type=jax.ShapeDtypeStruct((2 * cta_m, 3 * cta_n), BF16),
+      num_sms=1, interpret=interpreter())(x, w)).astype(np.float32)
+  want = np.full(out.shape, np.nan, np.float32)
+  for i, j in zeroed:
+    want[i * cta_m:(i + 1) * cta_m, j * cta_n:(j + 1) * cta_n] = 0
+  np.testing.assert_array_equal(out, want)
 
 
 # --- the staged epilogue (one slot holding the warpgroup's whole tile) ---------
