@@ -64,6 +64,10 @@ _AUTO_BSP_MAX_ROWS = 128
 _AUTO_BSP_MIN_COLS = 8192
 
 
+def _pallas_caveat(p: Problem) -> str | None:
+  return kernel.experimental_reason(_kernel_config(p))
+
+
 def _key(p: Problem) -> str:
   """The problem's key in the tuned tables."""
   return tuned.problem_key(p.axis_size, p.m_shard, p.k, p.n_shard, p.dtype)
@@ -120,7 +124,7 @@ def _pallas(x, w, axis_name, return_gathered, problem):
 
 
 _OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
-                           OP, _key, _small_m_rule)),
+                           OP, _key, _small_m_rule), _pallas_caveat),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

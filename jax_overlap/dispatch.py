@@ -25,15 +25,18 @@ logger = logging.getLogger("jax_overlap")
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """The implementation chosen for one call, and why the others were not."""
+  """The implementation chosen for one call, why the others were not, and
+  what to know about the chosen one (`caveat`: e.g. an experimental config)."""
   op: str
   requested: str
   impl: str
   rejected: tuple[tuple[str, str], ...] = ()
+  caveat: str | None = None
 
   def __str__(self) -> str:
     why = "".join(f"; {name} rejected: {reason}" for name, reason in self.rejected)
-    return f"{self.op}: impl={self.requested!r} -> {self.impl}{why}"
+    note = f"; caveat: {self.caveat}" if self.caveat else ""
+    return f"{self.op}: impl={self.requested!r} -> {self.impl}{why}{note}"
 
 
 Support = Callable[[object], str | None]
@@ -63,9 +66,12 @@ class Impl:
     auto_rule: problem -> None if "auto" may take it (a measured rule: e.g.
       the shapes where a kernel beat the BSP path), else why not; None: auto
       takes it wherever it runs.
+    caveat: problem -> None, or what `Choice.caveat` says when this impl is
+      chosen (e.g. that the caller's config is experimental).
   """
   support: Support = always
   auto_rule: Support | None = None
+  caveat: Support | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +124,9 @@ class Op:
         rejected.append((name, reason))
       else:
         raise AssertionError(f"no implementation of {op} accepted {problem}")
+    caveat = self.impls[choice.impl].caveat
+    if caveat is not None and (note := caveat(problem)) is not None:
+      choice = dataclasses.replace(choice, caveat=note)
     if getattr(problem, "config", None) is not None and choice.impl != "pallas":
       raise ValueError(
           f"config is a tile configuration for impl='pallas', but {choice}."

@@ -182,6 +182,14 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   return AllGatherMatmulConfig(tiles, "forward")
 
 
+def experimental_reason(config: AllGatherMatmulConfig) -> str | None:
+  """Why `config` is experimental (not yet run on GPUs at D > 2), or None."""
+  if config.send == "ring":
+    return ("config.send='ring' is experimental: it lowers and passes the CPU tests, not yet"
+            " run on GPUs at D > 2 (at D = 2 it is 'forward').")
+  return None
+
+
 def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
                        config: AllGatherMatmulConfig) -> str | None:
   """None if the kernel can run this per-shard problem, else why not."""

@@ -140,6 +140,13 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
 VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all}
 
 
+def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
+  """Why `config` is experimental (not yet run on GPUs), or None."""
+  if config.add_all:
+    return "config.add_all is experimental: it lowers and passes the CPU tests, not yet run on GPUs."
+  return None
+
+
 def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
                        config: MatmulReduceScatterConfig) -> str | None:
   """None if the kernel can run this per-shard problem (`rows` = M / D rows

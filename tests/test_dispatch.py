@@ -1,5 +1,6 @@
 """Which implementation runs, and why: explain_* and the DEBUG log."""
 
+import dataclasses
 import functools
 import json
 import logging
@@ -283,6 +284,28 @@ def test_auto_follows_the_decode_table_over_all_three_impls(winner, monkeypatch,
     assert other.impl == "pallas_bsp"  # not in the table: the rule
   finally:
     tuned.load.cache_clear()
+
+
+def test_explain_marks_experimental_kernel_configs(monkeypatch):
+  """A config that has not run on GPUs yet (AG send="ring", RS add_all) runs
+  when passed, and `explain` says that it is experimental; defaults carry no
+  caveat."""
+  from pallas_kernels import all_gather_matmul as agk  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import matmul_reduce_scatter as rsk  # pylint: disable=import-outside-toplevel
+  _as_on_hopper(monkeypatch)
+  ag_args, rs_args = (S(1024, 4096), S(4096, 4096)), (S(8192, 4096), S(4096, 4096))
+  ag_default = agk.default_config(1024, 4096, 4096, BF16, axis_size=4, num_sms=132)
+  rs_default = rsk.default_config(2048, 4096, 4096, BF16, axis_size=4, num_sms=132)
+  plain = [jax_overlap.explain_all_gather_matmul(*ag_args, axis_size=4, config=ag_default),
+           jax_overlap.explain_matmul_reduce_scatter(*rs_args, axis_size=4, config=rs_default)]
+  assert [(c.impl, c.caveat) for c in plain] == [("pallas", None), ("pallas", None)]
+  ring = jax_overlap.explain_all_gather_matmul(
+      *ag_args, axis_size=4, impl="pallas", config=dataclasses.replace(ag_default, send="ring"))
+  added = jax_overlap.explain_matmul_reduce_scatter(
+      *rs_args, axis_size=4, impl="pallas", config=rsk.with_add_all(rs_default))
+  for choice, field in ((ring, "send='ring'"), (added, "add_all")):
+    assert choice.impl == "pallas" and field in choice.caveat and "experimental" in choice.caveat
+    assert "caveat: " in str(choice)
 
 
 def test_explain_with_an_axis_name_checks_the_processes(monkeypatch):
