@@ -8,8 +8,10 @@ w [K, N_shard], bf16 -> all_gather(x) @ w, [D * M_shard, N_shard].
 Cases:
   ours      pallas (where `explain` picks it), xla_bsp, xla_ring (a ppermute
             ring: it stands for the ring baseline too); pallas_forward,
-            pallas_ring and pallas_push: the kernel with each send design
-            forced (default tiles), to keep the designs' numbers side by side.
+            pallas_ring, pallas_push, pallas_forward_stream and
+            pallas_ring_stream: the kernel with each send design forced
+            (default tiles; `_stream`: per-group waits, AllGatherMatmulConfig
+            .stream), to keep the designs' numbers side by side.
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -65,10 +67,15 @@ def _default_config(shape: shapes.AllGatherMatmulShape, mesh):
                                   axis_size=mesh.size, num_sms=platform.num_sms())
 
 
+# The send designs timed side by side: (send, stream), case pallas_<send>[_stream].
+SEND_DESIGNS = (*((send, False) for send in ag_kernel.SENDS), ("forward", True), ("ring", True))
+
+
 def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
-                 send: str) -> runner.Built:
+                 send: str, stream: bool) -> runner.Built:
   cases.require_hopper("our kernel")
-  config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=None)
+  config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=None,
+                               stream=stream)
   return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
                       {"config": repr(config)})
 
@@ -123,9 +130,9 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
   ours = lambda impl: runner.Built(ours_fn(mesh, impl), args)
   return [
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
-      *(runner.Case(f"pallas_{send}", "ours",
-                    functools.partial(_pallas_send, shape, mesh, inputs, send))
-        for send in ag_kernel.SENDS),
+      *(runner.Case(f"pallas_{send}{'_stream' if stream else ''}", "ours",
+                    functools.partial(_pallas_send, shape, mesh, inputs, send, stream))
+        for send, stream in SEND_DESIGNS),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -154,7 +161,8 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours (as `auto` runs it, and each send design), the baselines that come
     # within a few percent of it, the two GEMM floors and the gather alone.
-    contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "user_bsp",
+    contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
+                "pallas_ring_stream", "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )
 

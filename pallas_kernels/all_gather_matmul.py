@@ -94,6 +94,12 @@ _MAX_IDLE_PUSHERS = 12
 # Pieces of each row chunk in the first group that a remote tile of the
 # "push" send waits for (2 x 256 columns: 8 K steps of 64).
 _FIRST_GROUP_PIECES = 2
+# With `stream`, the K steps of each row chunk in the first group that a remote
+# tile waits for (as push's first group), and how many K steps after a forward
+# its forwarder announces it (by then it has landed; a wait for it then rarely
+# stalls the forwarding warpgroup).
+_FIRST_GROUP_STEPS = 8
+_SETTLE_STEPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +133,19 @@ class AllGatherMatmulConfig:
       fastest), odd strips' columns in reverse, for L2 reuse (measured in
       benchmarks/NOTES.md, AG v7). None: one strip of all the source's
       chunks. Must divide M_shard / tiles.cta_m.
+    stream: with "forward" or "ring", announce each forwarded K step once it
+      has landed (a few steps later) and let a remote tile's memory warpgroup
+      wait for each group of K steps of its chunk before loading it (groups
+      of 8, 8, 16, 32, ... steps, as "push" does), instead of waiting for the
+      whole chunk before its first load: a remote tile then trails the
+      forwarding tiles of its chunk instead of starting after them.
+      Experimental: lowers and passes the CPU tests, not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
   pushers: int | None = None
   strip_chunks: int | None = None
+  stream: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -140,7 +154,7 @@ class AllGatherMatmulConfig:
   @classmethod
   def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
-               strip_chunks=d.get("strip_chunks"))
+               strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -187,6 +201,9 @@ def experimental_reason(config: AllGatherMatmulConfig) -> str | None:
   if config.send == "ring":
     return ("config.send='ring' is experimental: it lowers and passes the CPU tests, not yet"
             " run on GPUs at D > 2 (at D = 2 it is 'forward').")
+  if config.stream and config.send != "push":
+    return ("config.stream is experimental: it lowers and passes the CPU tests, not yet run"
+            " on GPUs.")
   return None
 
 
@@ -269,6 +286,17 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       lambda b: b < pieces_per_chunk,
       (_FIRST_GROUP_PIECES << i for i in itertools.count())), pieces_per_chunk]
   steps_per_piece = push_cols // tiles.tile_k
+  k_steps = k // tiles.tile_k
+  stream = forward_mode and remote and config.stream
+  # What a remote tile's memory warpgroup waits for before loading K step
+  # group_bounds[i]: the group's signals, one per pushed piece (push) or per
+  # forwarded K step (stream), `unit` K steps each.
+  if stream:
+    group_bounds = [0, *itertools.takewhile(
+        lambda b: b < k_steps, (_FIRST_GROUP_STEPS << i for i in itertools.count())), k_steps]
+    unit = 1
+  else:
+    group_bounds, unit = [g * steps_per_piece for g in group_starts], steps_per_piece
   # Pushing with every tile in one wave, a local tile starts when the remote
   # tiles of its columns can: B streams from HBM once for both and is reused
   # from L2, instead of twice when the local tiles run ahead (2x H200, 128 x
@@ -279,6 +307,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
   # one wave.
   forwarders = min(n_tiles, max(1, grid // strip))
+  # stream: a forwarder announces step k at step k + settle_lag, after waiting
+  # for all but its `newer` later forwards to land.
+  settle_lag = min(_SETTLE_STEPS, forwarders)
+  newer = (settle_lag - 1) // forwarders
 
   def body(x_ref, w_ref, *refs):
     if exchange:
@@ -290,9 +322,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       gathered_ref, out_ref = refs
       me = pregathered.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
-    # arrived[src, chunk, part]: signals from src for that part of its rows
-    # (forward: one part per chunk; push: one per group of pushed pieces).
-    parts = len(group_starts) - 1 if push_mode else 1
+    # arrived[src, chunk, part]: signals for that part of src's rows (forward:
+    # one part per chunk; push and stream: one per group of K steps).
+    parts = len(group_bounds) - 1 if push_mode or stream else 1
     arrived = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks, parts)))
                if remote else None)
     peers = [{axis_name: lax.rem(me + offset, d)} for offset in range(1, d)] if remote else []
@@ -329,16 +361,39 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         for i, dst in enumerate(dsts):
           plgpu.copy_smem_to_gmem(a_smem, dst.at[dst_rows, cols], commit_group=i == len(dsts) - 1)
 
-      send_a = gemm_core.ASend(
-          when=lambda k_idx: forwards & (lax.rem(k_idx, forwarders) == visit), issue=forward)
+      def forwarded(k_idx):
+        return forwards & (k_idx >= 0) & (lax.rem(k_idx, forwarders) == visit)
+
+      def signal_group(k_idx):
+        """stream: forwarded step k_idx has landed at the receivers."""
+        group = sum(jnp.asarray(k_idx >= b, jnp.int32) for b in group_bounds[1:-1])
+        for peer in receivers:
+          signals.signal(plgpu.remote_ref(arrived.at[src, chunk, group], peer), "sys")
+
+      def settle(k_idx):
+        done = k_idx - settle_lag
+
+        @pl.when(forwarded(done))
+        @jax.named_scope("settle")
+        def _():
+          plgpu.wait_smem_to_gmem(newer, wait_read_only=False)
+          signal_group(done)
+
+      send_a = gemm_core.ASend(when=forwarded, issue=forward, settle=settle if stream else None)
 
       def signal_chunk():
+        """After the K loop: the chunk's part forwarded by this tile has landed
+        (stream: its forwards of the last `settle_lag` steps)."""
         @pl.when(forwards)
         @jax.named_scope("signal")
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          for peer in receivers:
-            signals.signal(plgpu.remote_ref(arrived.at[src, chunk, 0], peer), "sys")
+          if not stream:
+            for peer in receivers:
+              signals.signal(plgpu.remote_ref(arrived.at[src, chunk, 0], peer), "sys")
+            return
+          for k_idx in range(max(0, k_steps - settle_lag), k_steps):
+            pl.when(forwarded(k_idx))(lambda k_idx=k_idx: signal_group(k_idx))
 
       if not exchange:
         with jax.named_scope("tile"):
@@ -371,23 +426,24 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
       def wait_group(k_idx):
         """The memory warpgroup, before loading step k_idx: if it starts a
-        group of pieces, the group is here."""
-        for group, (start, end) in enumerate(itertools.pairwise(group_starts)):
-          @pl.when(k_idx == start * steps_per_piece)
+        group, the group is here."""
+        for group, (start, end) in enumerate(itertools.pairwise(group_bounds)):
+          @pl.when(k_idx == start)
           @jax.named_scope("wait_group")
           def _():
-            pl.semaphore_wait(arrived.at[src, chunk, group], end - start, decrement=False)
+            pl.semaphore_wait(arrived.at[src, chunk, group], (end - start) // unit,
+                              decrement=False)
 
       @pl.when(step > 0)
       def _remote():
-        if push_mode:
+        passing = dict(send_a=send_a, after_k=signal_chunk) if ring else {}
+        if push_mode or stream:
           with jax.named_scope("remote_tile"):
             core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile,
-                 before_load=wait_group, **order)
+                 before_load=wait_group, **passing, **order)
           return
         with jax.named_scope("wait_chunk"):
           pl.semaphore_wait(arrived.at[src, chunk, 0], forwarders, decrement=False)
-        passing = dict(send_a=send_a, after_k=signal_chunk) if ring else {}
         with jax.named_scope("remote_tile"):
           core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **passing, **order)
 

@@ -173,11 +173,15 @@ class ASend:
       k_idx's A tile (evaluated in both compute warpgroups).
     issue: issue(k_idx, a_smem) issues the stores of a_smem ([cta_m, tile_k])
       and commits them as one bulk group (`commit_group` on the last copy).
+    settle: None, or settle(k_idx), called by both compute warpgroups at
+      every K step before that step's `issue`: e.g. to announce an earlier
+      step's stores once they have landed.
   The core releases the stage once the group has read it: at the next step,
   whose wgmma runs meanwhile, or at once on the tile's last step.
   """
   when: Callable
   issue: Callable
+  settle: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +364,8 @@ class TileMatmul:
       else:
         sends = send_a.when(k_idx)
         held = (k_idx > 0) & send_a.when(k_idx - 1)
+        if send_a.settle is not None:
+          send_a.settle(k_idx)
         pl.when(sends)(lambda: send_a.issue(k_idx, a_smem))
 
       @pl.when(held)

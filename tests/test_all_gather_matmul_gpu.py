@@ -178,11 +178,20 @@ def _check_gathered(gathered: jax.Array, x_host: np.ndarray, what: str = "gather
           f" {rows[:16].tolist()}{'...' if len(rows) > 16 else ''}")
 
 
+# The send designs forced by the tests: each of kernel.SENDS, and the streamed
+# forwards ("+stream": per-group waits, experimental).
+SEND_DESIGNS = [*kernel.SENDS, "forward+stream", "ring+stream"]
+
+
 def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulConfig:
-  """The default config for the shape, with `send` forced if given."""
+  """The default config for the shape, with `send` (one of SEND_DESIGNS)
+  forced if given."""
   config = kernel.default_config(m_shard, k, n_shard, dtype, axis_size=d,
                                  num_sms=platform.num_sms())
-  return config if send is None else dataclasses.replace(config, send=send)
+  if send is None:
+    return config
+  send, _, stream = send.partition("+")
+  return dataclasses.replace(config, send=send, stream=stream == "stream")
 
 
 def _per_shard_fn(mesh, *, return_gathered=False, config=None):
@@ -233,7 +242,8 @@ def test_per_shard_and_sharded_wrapper_match_float32_reference(shape, dtype):
 
 
 # Each send design forced on shapes where the heuristic picks forward or push,
-# with the gathered x returned: (shape, dtype). ("ring" is "forward" at D = 2.)
+# with the gathered x returned: (shape, dtype). ("ring" is "forward" at D = 2;
+# "+stream" changes only how remote tiles wait, not what is sent.)
 SEND_CASES = [
     ((1024, 4096, 4096), BF16),   # 8 row chunks
     ((192, 8192, 2560), F16),     # 3 chunks of 64 rows, 10 column tiles
@@ -243,7 +253,7 @@ SEND_CASES = [
 
 
 @TIMEOUT
-@pytest.mark.parametrize("send", kernel.SENDS)
+@pytest.mark.parametrize("send", SEND_DESIGNS)
 @pytest.mark.parametrize("shape,dtype", SEND_CASES,
                          ids=[f"{_shape_id(s)}-{d.name}" for s, d in SEND_CASES])
 def test_send_design_with_return_gathered(shape, dtype, send):
@@ -261,7 +271,7 @@ def test_send_design_with_return_gathered(shape, dtype, send):
 
 
 @TIMEOUT
-@pytest.mark.parametrize("send", kernel.SENDS)
+@pytest.mark.parametrize("send", SEND_DESIGNS)
 def test_single_device_axis(send):
   """D = 1: no peers, no semaphores; the own gathered copy is still written."""
   mesh = _mesh_1d(1)
@@ -307,7 +317,7 @@ def test_2d_mesh_over_model_with_data_batch_axis(shape, dtype, data):
 
 
 @TIMEOUT
-@pytest.mark.parametrize("send", kernel.SENDS)
+@pytest.mark.parametrize("send", SEND_DESIGNS)
 def test_repeated_calls_each_with_new_data(send):
   """One jitted fn called 5 times without blocking, each call on different x
   and w (a call reading a previous call's buffers or signals gives a wrong
@@ -368,8 +378,8 @@ SCAN_SHAPE = (256, 1024, 512)  # per shard: 2 row chunks, 2 column tiles at most
 
 
 @TIMEOUT
-@pytest.mark.parametrize("api,send", [("sharded", None), ("per_shard", "forward"),
-                                      ("per_shard", "ring"), ("per_shard", "push")])
+@pytest.mark.parametrize("api,send", [("sharded", None),
+                                      *(("per_shard", send) for send in SEND_DESIGNS)])
 def test_scan_over_50_layers(api, send):
   """lax.scan over 50 layers, each its own w (stacked [50, K, N], N sharded),
   each layer's x a function of the previous one; all 50 outputs checked."""

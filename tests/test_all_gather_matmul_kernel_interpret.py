@@ -288,6 +288,49 @@ def test_before_load_hook_precedes_the_steps_loads(k, interpreter):
   assert not interpret_pallas_call.get_races().races_found
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [192, 256], ids=["per_tile_ring", "ring_across_tiles"])
+def test_settle_runs_at_every_step_after_the_sends_land(k, interpreter):
+  """The streamed forward's `settle` hook: the core calls it at every K step,
+  before that step's send. Here the column-0 tiles forward every A step into
+  the second output, and settle(k) waits for the forward of step k - 1 to
+  land, then overwrites it with zeros. So every forwarded step but the last
+  ends zero, the last keeps x's columns, and the race detector sees the
+  overwrite ordered after the forward (it reports a race if settle's wait is
+  removed)."""
+  t = _HOOK_TILES
+
+  def hooks(x_ref, copy_ref, scratch_refs, rows, n_idx):
+    del x_ref
+    (zeros,) = scratch_refs
+    wg = lax.axis_index(gemm_core.WG_AXIS)
+    mine = (wg == 0) & (n_idx == 0)
+
+    def forward(k_idx, a_smem):
+      plgpu.copy_smem_to_gmem(a_smem, copy_ref.at[rows, pl.ds(k_idx * t.tile_k, t.tile_k)])
+
+    def settle(k_idx):
+      @pl.when(mine & (k_idx > 0))
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        zeros[...] = jnp.zeros((t.cta_m, t.tile_k), BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(zeros, copy_ref.at[rows, pl.ds((k_idx - 1) * t.tile_k, t.tile_k)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return dict(send_a=gemm_core.ASend(when=lambda k_idx: mine, issue=forward, settle=settle))
+
+  x, w = _operands("settle-hook", k)
+  scratch = (plgpu.SMEM((t.cta_m, t.tile_k), BF16),)
+  out, copied = _hooked_gemm(x, w, t, interpreter(detect_races=True), hooks, scratch=scratch,
+                             sends_a=True)
+  testkit.assert_matmul_close(out, x, w, BF16)
+  copied = np.asarray(copied)
+  np.testing.assert_array_equal(copied[:, :k - t.tile_k], 0)
+  np.testing.assert_array_equal(copied[:, k - t.tile_k:], x[:, k - t.tile_k:])
+  assert not interpret_pallas_call.get_races().races_found
+
+
 # --- unsupported_reason and default_config --------------------------------
 
 _DEFAULT = agm.AllGatherMatmulConfig()  # 128 x 256 CTA tiles, tile_k 64
@@ -453,20 +496,24 @@ def test_outputs_are_typed_varying_over_the_axis():
     (4, (512, 8192, 7168), "forward"),
     (4, (1024, 4096, 4096), "ring"),
     (3, (256, 2048, 2048), "ring"),
+    (2, (1024, 4096, 4096), "forward+stream"),
+    (4, (2048, 8192, 2560), "ring+stream"),
+    (4, (128, 512, 1024), "forward+stream"),
     (4, (64, 3072, 2560), "push"),
     (1, (384, 3072, 2560), "forward"),
     (1, (384, 3072, 2560), "push"),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gathered):
-  """The exchange (remote TMA stores, semaphores, per-chunk waits) lowers
-  for CUDA, with each send design, at D = 1 to 4, with and without the
+  """The exchange (remote TMA stores, semaphores, per-chunk or, streamed,
+  per-group waits) lowers for CUDA, with each send design, at D = 1 to 4, with and without the
   own rows of the gathered x (the interpreter cannot run it); the gathered x
   comes back only when asked for; with peers, each chunk is announced by a
   release-ordered add (`signals.signal`)."""
   m, k, n = shape
   mesh = jax.make_mesh((d,), ("x",))
-  config = dataclasses.replace(
-      agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132), send=send)
+  send, _, stream = send.partition("+")
+  config = dataclasses.replace(agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132),
+                               send=send, stream=bool(stream))
   assert agm.unsupported_reason(m, k, n, BF16, config) is None
 
   def body(x, w):
@@ -485,3 +532,5 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gather
   module = exported.mlir_module()
   assert f"{agm.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert ("red.release.sys" in module) == (d > 1)
+  if d > 1 and send != "push":  # streamed: per-step announcements, per-group waits
+    assert ("settle" in module, "wait_chunk" in module) == (bool(stream), not stream)

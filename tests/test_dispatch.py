@@ -287,7 +287,8 @@ def test_auto_follows_the_decode_table_over_all_three_impls(winner, monkeypatch,
 
 
 def test_explain_marks_experimental_kernel_configs(monkeypatch):
-  """A config that has not run on GPUs yet (AG send="ring", RS add_all) runs
+  """A config that has not run on GPUs yet (AG send="ring" or stream, RS
+  add_all) runs
   when passed, and `explain` says that it is experimental; defaults carry no
   caveat."""
   from pallas_kernels import all_gather_matmul as agk  # pylint: disable=import-outside-toplevel
@@ -303,7 +304,9 @@ def test_explain_marks_experimental_kernel_configs(monkeypatch):
       *ag_args, axis_size=4, impl="pallas", config=dataclasses.replace(ag_default, send="ring"))
   added = jax_overlap.explain_matmul_reduce_scatter(
       *rs_args, axis_size=4, impl="pallas", config=rsk.with_add_all(rs_default))
-  for choice, field in ((ring, "send='ring'"), (added, "add_all")):
+  streamed = jax_overlap.explain_all_gather_matmul(
+      *ag_args, axis_size=4, impl="pallas", config=dataclasses.replace(ag_default, stream=True))
+  for choice, field in ((ring, "send='ring'"), (added, "add_all"), (streamed, "stream")):
     assert choice.impl == "pallas" and field in choice.caveat and "experimental" in choice.caveat
     assert "caveat: " in str(choice)
 

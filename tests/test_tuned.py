@@ -53,7 +53,9 @@ def _odd_config() -> ag_kernel.AllGatherMatmulConfig:
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_config_round_trips_through_json(m, k, n):
-  for config in (ag_kernel.default_config(m, k, n, BF16, axis_size=2, num_sms=132), _odd_config()):
+  streamed_ring = ag_kernel.AllGatherMatmulConfig(send="ring", strip_chunks=2, stream=True)
+  for config in (ag_kernel.default_config(m, k, n, BF16, axis_size=2, num_sms=132), _odd_config(),
+                 streamed_ring):
     assert ag_kernel.AllGatherMatmulConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
