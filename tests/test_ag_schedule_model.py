@@ -1,0 +1,34 @@
+"""benchmarks.ag_schedule_model: the all-gather matmul schedule's timing model."""
+
+import pytest
+
+from benchmarks import ag_schedule_model as model
+
+
+@pytest.mark.parametrize("shape", [(1024, 4096, 4096), (512, 8192, 7168)], ids=str)
+@pytest.mark.parametrize("stream", [False, True])
+def test_ring_is_forward_at_two_devices(shape, stream):
+  assert model.span_over_gemm(*shape, 2, "ring", stream) == model.span_over_gemm(
+      *shape, 2, "forward", stream)
+
+
+def test_a_chunk_wait_costs_a_tile_at_one_wave_per_step():
+  """1024 x 4096 x 4096 at D = 4: 128 tiles per step on 132 SMs. Forward
+  waits a whole local tile per remote chunk and crowds 3 shards onto the link
+  in the first wave; the streamed ring trails its forwarders by a part."""
+  forward = model.span_over_gemm(1024, 4096, 4096, 4, "forward", False)
+  ring_stream = model.span_over_gemm(1024, 4096, 4096, 4, "ring", True)
+  assert 1.25 < forward < 1.45 and 1.0 < ring_stream < 1.1
+
+
+def test_many_waves_per_step_hide_the_exchange():
+  for d in (2, 4):
+    for send, stream in model.DESIGNS:
+      assert 1.0 < model.span_over_gemm(4096, 8192, 7168, d, send, stream) < 1.06
+
+
+def test_half_the_link_nearly_doubles_the_excess_where_the_exchange_is_the_bound():
+  """8B qkv at D = 4 (K = 4096 against 1536 columns): the gather outlasts the GEMM."""
+  fast = model.span_over_gemm(2048, 4096, 1536, 4, "ring", True)
+  slow = model.span_over_gemm(2048, 4096, 1536, 4, "ring", True, model.Machine(link=175e9))
+  assert slow - 1 > 1.5 * (fast - 1) > 0.75
