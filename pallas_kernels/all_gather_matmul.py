@@ -307,9 +307,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
   # one wave.
   forwarders = min(n_tiles, max(1, grid // strip))
-  # stream: a forwarder announces step k at step k + settle_lag, after waiting
-  # for all but its `newer` later forwards to land.
-  settle_lag = min(_SETTLE_STEPS, forwarders)
+  # stream: a forwarder announces step k at step k + _SETTLE_STEPS, after
+  # waiting for all but its `newer` later forwards (steps k + F, k + 2F, ...)
+  # to land.
+  settle_lag = _SETTLE_STEPS
   newer = (settle_lag - 1) // forwarders
 
   def body(x_ref, w_ref, *refs):
@@ -508,7 +509,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   if exchange:
     gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
     out, gathered = gemm_core.launch(body, name=KERNEL_NAME,
-                                     out_type=(out_struct, gathered_struct), num_sms=grid, interpret=interpret)(x, w)
+                                     out_type=(out_struct, gathered_struct), num_sms=grid,
+                                     interpret=interpret)(x, w)
     axes = vma.varying_axes(x, w, axis_name=axis_name)
     if not return_gathered:
       return vma.mark_varying(out, axes), None
