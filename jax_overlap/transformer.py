@@ -481,16 +481,17 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
                      f" multiple of the axis size {d}.")
   if lengths is None:
     lengths = jnp.full((b,), s, jnp.int32)
-  s_shard = cache_len // d
 
   def body(params, tokens, lengths):
     x, (k, v) = _layers(params, tokens, ops, keep_kv=True)
     me = lax.axis_index(axis_name)
 
     def my_positions(a):  # [L, B, S, Hkv / D, Dh] -> [L, B, S_max / D, Hkv, Dh]
-      a = lax.all_gather(a, axis_name, axis=3, tiled=True)
+      """From head shards to position shards: padded to S_max, then each
+      device sends each peer that peer's positions of its heads (1 / D of
+      what an all-gather of the heads would move)."""
       a = jnp.pad(a, ((0, 0), (0, 0), (0, cache_len - s), (0, 0), (0, 0)))
-      return lax.dynamic_slice_in_dim(a, me * s_shard, s_shard, axis=2)
+      return lax.all_to_all(a, axis_name, split_axis=2, concat_axis=3, tiled=True)
 
     # Each prompt's last row: found on the device holding it, summed from there.
     rows = x.shape[0]
