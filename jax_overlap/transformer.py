@@ -49,6 +49,7 @@ apply, else XLA); `explain` lists what each op and the attention would run.
 from collections.abc import Callable
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 from typing import NamedTuple
@@ -543,18 +544,25 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     slot = lengths - me * s_shard
     slot = jnp.where((slot >= 0) & (slot < s_shard), slot, s_shard)
     batch = jnp.arange(b)
-    everywhere = lambda a: lax.all_gather(a, axis_name, axis=1, tiled=True)
+
+    def everywhere(*parts):
+      """Every head of each part ([B, heads / D, Dh], this device's heads),
+      by one all-gather: a decode step's gathers are latency-bound."""
+      whole = lax.all_gather(jnp.concatenate(parts, axis=1), axis_name, axis=1)  # [B, D, ., Dh]
+      bounds = list(itertools.accumulate(part.shape[1] for part in parts))[:-1]
+      return [a.reshape(b, -1, a.shape[-1]) for a in jnp.split(whole, bounds, axis=2)]
 
     def layer(carry, args):
       x, k_cache, v_cache = carry
       p, l = args
-      q, k, v = _qkv(x, p, ops, lengths)
+      q, k, v = everywhere(*_qkv(x, p, ops, lengths))
       # The cache holds every head of its positions (in place: the carry).
-      k_cache = k_cache.at[l, batch, slot].set(everywhere(k), mode="drop")
-      v_cache = v_cache.at[l, batch, slot].set(everywhere(v), mode="drop")
-      o = flash_decode(everywhere(q), k_cache[l], v_cache[l], axis_name=axis_name,
+      k_cache = k_cache.at[l, batch, slot].set(k, mode="drop")
+      v_cache = v_cache.at[l, batch, slot].set(v, mode="drop")
+      o = flash_decode(q, k_cache[l], v_cache[l], axis_name=axis_name,
                        kv_lens=lengths + 1, impl=ops.decode_impl)
-      mine = lax.dynamic_slice_in_dim(o, me * q.shape[1], q.shape[1], 1)  # this device's heads
+      heads = c.q_heads // d
+      mine = lax.dynamic_slice_in_dim(o, me * heads, heads, 1)  # this device's heads
       x = x + ops.mrs(mine.reshape(b, -1), p["w_o"])
       return (_mlp(x, p, ops), k_cache, v_cache), None
 
