@@ -64,13 +64,15 @@ class Entry:
     return [lax.rem(self._me + offset, self._d) for offset in range(1, self._d)]
 
   def porter(self) -> None:
-    """Leaves the marker for every peer, reads each peer's marker for this
-    device (spinning until it is there), consumes it, then raises `go`."""
+    """Leaves the marker for every peer, reads every peer's marker for this
+    device (one spin over all of them, so the wait is the latest peer's, not
+    the sum over peers), consumes them, then raises `go`."""
     for peer in self._peers():
       for word, value in enumerate(MARKER):
         pl.semaphore_signal(self._slots.at[peer, word], value)
+    _await_markers([plgpu.remote_ref(self._slots.at[self._me], {self._axis_name: peer})
+                    for peer in self._peers()])
     for peer in self._peers():
-      _await_marker(plgpu.remote_ref(self._slots.at[self._me], {self._axis_name: peer}))
       for word, value in enumerate(MARKER):
         pl.semaphore_signal(self._slots.at[self._me, word], -value,
                             device_id={self._axis_name: peer})
@@ -81,30 +83,36 @@ class Entry:
     pl.semaphore_wait(self._go, 1, decrement=False)
 
 
-def _await_marker(words) -> None:
-  """Spins (one thread of the warpgroup) until the two int32 words of `words`
-  (a peer's slot, through `plgpu.remote_ref`) equal MARKER; acquire order, so
-  that what the peer did before leaving it (XLA's zeroing) is visible."""
+def _await_markers(slots) -> None:
+  """Spins (one thread of the warpgroup) until the two int32 words of every
+  slot in `slots` (peers' slots, through `plgpu.remote_ref`) equal MARKER,
+  reading them all in each round; acquire order, so that what each peer did
+  before leaving its marker (XLA's zeroing) is visible."""
+  # differ = any word of any slot differs (the first compare sets it).
+  reads = "".join(
+      f"ld.relaxed.sys.global.b32 first, [${i}];\n"
+      f"ld.relaxed.sys.global.b32 second, [${i}+4];\n"
+      + (f"setp.ne.b32 differ, first, {MARKER[0]};\n" if i == 0 else
+         f"setp.ne.or.b32 differ, first, {MARKER[0]}, differ;\n")
+      + f"setp.ne.or.b32 differ, second, {MARKER[1]}, differ;\n"
+      for i in range(len(slots)))
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def spin(_, ref):
-    ptr = mgpu_utils.memref_ptr(ref)
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(slots))
+  def spin(_, *refs):
+    ptrs = [mgpu_utils.memref_ptr(ref) for ref in refs]
     with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
       mgpu_utils.inline_ptx(
           "{\n"
           ".reg .pred differ;\n"
           ".reg .b32 first, second;\n"
           "SPIN:\n"
-          "ld.relaxed.sys.global.b32 first, [$0];\n"
-          "ld.relaxed.sys.global.b32 second, [$0+4];\n"
-          f"setp.ne.b32 differ, first, {MARKER[0]};\n"
-          f"setp.ne.or.b32 differ, second, {MARKER[1]}, differ;\n"
+          + reads +
           "@differ bra SPIN;\n"
           "fence.acquire.sys;\n"
           "}",
-          ptr,
+          *ptrs,
           has_side_effects=True,
       )
     mgpu_utils.warpgroup_barrier()
 
-  spin(words)
+  spin(*slots)

@@ -132,17 +132,18 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
     np.testing.assert_array_equal(outs[i], outs[0], err_msg=f"device {i} differs from device 0")
 
 
-@pytest.mark.parametrize("dtype,dh,hq,b,s_total", [
-    (BF16, 128, 64, 8, 8192), (F16, 64, 32, 8, 8192), (BF16, 128, 8, 8, 8192),
-    (BF16, 128, 64, 1, 32768)])  # 16 splits, merged 8 at a time
-def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
-  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2,
-  and the devices meet inside the kernel (entry.Entry's handshake: the spin
-  on a peer's marker), not at XLA's barrier."""
-  mesh = jax.make_mesh((2,), ("x",))
+@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total", [
+    (2, BF16, 128, 64, 8, 8192), (2, F16, 64, 32, 8, 8192), (2, BF16, 128, 8, 8, 8192),
+    (2, BF16, 128, 64, 1, 32768),  # 16 splits, merged 8 at a time
+    (4, BF16, 128, 64, 1, 32768), (3, BF16, 128, 64, 8, 3 * 4096)])
+def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total):
+  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2-4,
+  and the devices meet inside the kernel (entry.Entry's handshake: one spin
+  over every peer's marker), not at XLA's barrier."""
+  mesh = jax.make_mesh((d,), ("x",))
   hkv = 8
-  config = fd.default_config(b, hkv, hq, s_total // 2, dh, dtype, num_sms=132)
-  assert fd.unsupported_reason(b, hq, hkv, dh, s_total // 2, dtype, config) is None
+  config = fd.default_config(b, hkv, hq, s_total // d, dh, dtype, num_sms=132)
+  assert fd.unsupported_reason(b, hq, hkv, dh, s_total // d, dtype, config) is None
   q_spec, kv_spec = jax.P(), jax.P(None, "x")
   f = jax.jit(jax.shard_map(
       lambda q, k, v, n: fd.flash_decode(q, k, v, n, axis_name="x", scale=0.1, config=config,
@@ -155,7 +156,9 @@ def test_kernel_lowers_for_cuda_inside_shard_map(dtype, dh, hq, b, s_total):
       sds((b, hq, dh), dtype, q_spec), kv, kv, sds((b,), jnp.int32, q_spec))
   module = exported.mlir_module()
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
-  assert "skip_device_barrier = true" in module and "bra SPIN" in module
+  assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
+  # The one spin reads each peer's two marker words in every round.
+  assert module.count("ld.relaxed.sys.global.b32 first") == d - 1
   # Signals with release order, at system scope only for the peers'.
   assert "red.release.gpu" in module and "red.release.sys" in module
 
