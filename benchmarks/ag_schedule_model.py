@@ -26,20 +26,23 @@ stalls the model leaves out.
 """
 
 import dataclasses
+import sys
 
-from absl import app
 from absl import flags
 import jax.numpy as jnp
 
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import gemm_core
 
-_AXIS_SIZES = flags.DEFINE_list("axis_sizes", ["2", "4", "8"], "D values.")
+# Its own flag registry: the benchmark modules define flags of the same names
+# and may be imported in the same process (the tests).
+FLAGS = flags.FlagValues()
+_AXIS_SIZES = flags.DEFINE_list("axis_sizes", ["2", "4", "8"], "D values.", flag_values=FLAGS)
 _SHAPES = flags.DEFINE_list(
     "shapes", ["1024x4096x4096", "4096x8192x7168", "512x8192x7168", "2048x8192x2560",
                "2048x8192x14336", "2048x4096x1536"],
     "Per-shard M_shard x K x N_shard problems (the last three: Llama-3 70B qkv and gate_up, 8B"
-    " qkv at 8192 tokens over D = 4).")
+    " qkv at 8192 tokens over D = 4).", flag_values=FLAGS)
 
 # The designs compared: (send, stream).
 DESIGNS = (("forward", False), ("ring", False), ("forward", True), ("ring", True))
@@ -107,8 +110,8 @@ def span_over_gemm(m_shard: int, k: int, n_shard: int, d: int, send: str, stream
   return max(block_free) / (total / machine.sms * tile_us)
 
 
-def main(argv):
-  del argv
+def main() -> None:
+  """Prints the modelled table for the parsed FLAGS."""
   sizes = [int(d) for d in _AXIS_SIZES.value]
   print("modelled time / the same tiles without an exchange; designs: "
         + ", ".join(f"{s}{' + stream' if st else ''}" for s, st in DESIGNS))
@@ -120,4 +123,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  FLAGS(sys.argv)
+  main()

@@ -32,3 +32,14 @@ def test_half_the_link_nearly_doubles_the_excess_where_the_exchange_is_the_bound
   fast = model.span_over_gemm(2048, 4096, 1536, 4, "ring", True)
   slow = model.span_over_gemm(2048, 4096, 1536, 4, "ring", True, model.Machine(link=175e9))
   assert slow - 1 > 1.5 * (fast - 1) > 0.75
+
+
+def test_the_command_prints_one_row_per_shape(capsys):
+  model.FLAGS(["ag_schedule_model", "--axis_sizes=2,4", "--shapes=1024x4096x4096,512x8192x7168"])
+  try:
+    model.main()
+  finally:
+    model.FLAGS.unparse_flags()
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+  assert [row.split(" | ")[0] for row in rows] == ["| 1024x4096x4096", "| 512x8192x7168"]
+  assert rows[0].startswith("| 1024x4096x4096 | D = 2: 1.15 / 1.15 / 1.05 / 1.05 | D = 4: ")
