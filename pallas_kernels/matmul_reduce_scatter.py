@@ -137,7 +137,8 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
 
 # The experimental variants of a config, by name (benchmarked and GPU-tested
 # beside the default; not taken by `default_config` until measured faster).
-VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all}
+VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all,
+            "staged_add_all": lambda config: staged_epilogue(with_add_all(config))}
 
 
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
