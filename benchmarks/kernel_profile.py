@@ -12,8 +12,12 @@ with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
 back to back after a warm-up, and prints, per kernel trace, the span of each
 named scope the kernels mark (pallas_kernels docstrings list them): how many,
 their duration (median, p90, max), their sum per warpgroup, and when they
-start and end relative to the kernel's first event; with --timelines=N, also
-the scopes of N blocks in order (which item of a block stalls, and when).
+start and end relative to the kernel's first event; the main scopes' median
+duration by position in a warpgroup (`--by_position`: its 1st tile, 2nd, ...:
+whether the tiles after a store into a peer run slower, RS hypothesis H4 in
+benchmarks/NOTES.md); with --timelines=N, also the scopes of N blocks in order
+(which item of a block stalls, and when). Blocks with many tiles need a larger
+`--profile_space`.
 
 Units: the profiler stamps events with the SM clock, so every figure is in
 thousands of SM cycles (kcyc); compare the fused kernel with its
@@ -63,8 +67,14 @@ _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where trac
 _TIMELINES = flags.DEFINE_integer(
     "timelines", 0, "Also print the scopes of this many blocks per trace, in order (half"
     " from the first blocks, half from the last).")
-# Events per warpgroup: enough for a few scopes per tile or item of a block.
-PROFILE_SPACE = 48
+_BY_POSITION = flags.DEFINE_list(
+    "by_position", ["tile", "epilogue", "local_tile", "remote_tile", "attend"],
+    "Scopes whose median duration is also printed by position in a warpgroup (1st span, 2nd,"
+    " ...).")
+_PROFILE_SPACE = flags.DEFINE_integer(
+    "profile_space", 48, "Events recorded per warpgroup (begin and end count one each): enough"
+    " for a few scopes per tile or item; raise it for blocks with many tiles (events past it"
+    " are dropped).")
 
 
 @contextlib.contextmanager
@@ -76,7 +86,7 @@ def profiling(trace_dir: pathlib.Path):
 
   def profiled_kernel(body=None, *, compiler_params=None, **kwargs):
     params = dataclasses.replace(compiler_params or plgpu.CompilerParams(),
-                                 profile_space=PROFILE_SPACE, profile_dir=str(trace_dir),
+                                 profile_space=_PROFILE_SPACE.value, profile_dir=str(trace_dir),
                                  profile_bounds_check=True)
     return kernel(body, compiler_params=params, **kwargs)
 
@@ -132,6 +142,26 @@ def timelines(trace: dict) -> dict[tuple[int, int], list[tuple[float, str, float
     for thread, start, end in items:
       per_thread[thread].append((start, name, end - start))
   return {thread: sorted(items) for thread, items in sorted(per_thread.items())}
+
+
+def by_position(trace: dict, names) -> dict[str, list[float]]:
+  """{scope name: [median duration of the i-th span of that scope in a
+  warpgroup, over the warpgroups that ran an i-th one]}: e.g. whether a
+  block's tile after a tile that stored into a peer runs slower than the
+  tiles after local ones (the RS kernel's tiles run step by step, own last)."""
+  per_thread = collections.defaultdict(lambda: collections.defaultdict(list))
+  for name, items in _spans(trace)[1].items():
+    if name in names:
+      for thread, start, end in items:
+        per_thread[name][thread].append((start, end - start))
+  medians = {}
+  for name in names:
+    columns = collections.defaultdict(list)
+    for items in per_thread[name].values():
+      for i, (_, duration) in enumerate(sorted(items)):
+        columns[i].append(duration)
+    medians[name] = [statistics.median(columns[i]) for i in sorted(columns)]
+  return medians
 
 
 def summarize(trace: dict) -> tuple[float, list[ScopeStats]]:
@@ -221,6 +251,9 @@ def main(argv):
         print(f"    {s.name:14s} n={s.count:4d}  dur med {s.median:6.2f} p90 {s.p90:6.2f}"
               f" max {s.longest:6.2f}  sum/wg {s.per_thread:6.2f}  start first {s.first_start:6.1f}"
               f" med {s.median_start:6.1f}  end last {s.last_end:6.1f}")
+      for name, medians in by_position(trace, _BY_POSITION.value).items():
+        if medians:
+          print(f"    {name:14s} by position: " + " ".join(f"{m:.1f}" for m in medians))
       shown = list(timelines(trace).items())
       if 0 < _TIMELINES.value < len(shown):
         half = _TIMELINES.value // 2

@@ -51,3 +51,17 @@ def test_profiling_restores_what_it_patches_even_on_error(tmp_path):
       assert mgpu_profiler.ProfilerSpec.dump is not dump
       raise RuntimeError("boom")
   assert plgpu.kernel is kernel and mgpu_profiler.ProfilerSpec.dump is dump
+
+
+def test_durations_by_position_in_each_warpgroup():
+  """Two blocks: the 2nd tile of each runs longer (e.g. after a store into a
+  peer); by_position gives the median of the i-th spans across warpgroups."""
+  trace = {"traceEvents": [
+      _event("B", "tile", 0, 0.0, pid=1), _event("E", "tile", 0, 10.0, pid=1),
+      _event("B", "tile", 0, 10.0, pid=1), _event("E", "tile", 0, 24.0, pid=1),
+      _event("B", "tile", 0, 1.0, pid=2), _event("E", "tile", 0, 11.0, pid=2),
+      _event("B", "tile", 0, 11.0, pid=2), _event("E", "tile", 0, 27.0, pid=2),
+      _event("B", "tile", 0, 27.0, pid=2), _event("E", "tile", 0, 37.0, pid=2),
+  ]}
+  assert kernel_profile.by_position(trace, ["tile", "epilogue"]) == {
+      "tile": [10.0, 15.0, 10.0], "epilogue": []}
