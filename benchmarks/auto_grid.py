@@ -268,7 +268,8 @@ def _write_tables(points: list[dict], device_kind: str) -> list[pathlib.Path]:
     table = json.loads(path.read_text()) if path.exists() else {}
     for p in points:
       if p["op"] == op and len(p["us"]) > 1 and p["figure"] == "cupti":
-        table[p["problem"]] = {"impl": p["best"], "us": {k: round(v, 2) for k, v in p["us"].items()}}
+        table[p["problem"]] = {"impl": p["best"],
+                               "us": {k: round(v, 2) for k, v in p["us"].items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
     written.append(path)

@@ -144,7 +144,8 @@ VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all,
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
   """Why `config` is experimental (not yet run on GPUs), or None."""
   if config.add_all:
-    return "config.add_all is experimental: it lowers and passes the CPU tests, not yet run on GPUs."
+    return ("config.add_all is experimental: it lowers and passes the CPU tests, not yet run on"
+            " GPUs.")
   return None
 
 

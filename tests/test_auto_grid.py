@@ -72,7 +72,8 @@ def test_the_table_holds_each_timed_points_winner(tmp_path, monkeypatch):
   point = lambda rows, us: {"op": "matmul_reduce_scatter", "figure": "cupti",
                             "problem": tuned.problem_key(2, 2 * rows, 4096, 7168, jnp.bfloat16),
                             "us": us, "best": min(us, key=us.get)}
-  points = [point(16, {"pallas": 40.0, "xla_bsp": 35.0}), point(1024, {"pallas": 90.0, "xla_bsp": 120.0}),
+  points = [point(16, {"pallas": 40.0, "xla_bsp": 35.0}),
+            point(1024, {"pallas": 90.0, "xla_bsp": 120.0}),
             point(64, {"xla_bsp": 30.0})]  # one impl timed: not a table entry
   try:
     [path] = auto_grid._write_tables(points, "Test GPU")  # pylint: disable=protected-access
