@@ -11,7 +11,8 @@ it: `send_a` TMA-stores chosen A tiles from shared memory while the wgmma reads
 them (e.g. to forward them to a peer with no extra HBM read; the stage is
 released once the stores have read it, one step later, so the compute
 warpgroup does not stall on them), `after_k()` runs in the compute warpgroups
-once the tile's K loop is done, and `before_load(k_idx)` runs in the memory
+once the tile's K loop is done, `after_store()` once they have issued the
+tile's stores, and `before_load(k_idx)` runs in the memory
 warpgroup just before it issues step k_idx's loads (e.g. to wait for a peer's
 rows to arrive without stalling the compute warpgroups on the steps before
 them).
@@ -321,6 +322,7 @@ class TileMatmul:
       before_load: Callable | None = None,
       first=None,
       last=None,
+      after_store: Callable | None = None,
   ) -> None:
     """Computes out_tile = a_rows @ b_cols.
 
@@ -342,6 +344,8 @@ class TileMatmul:
         the memory warpgroup runs on into the next tile's loads while the
         compute warpgroups finish this one (no pipeline fill per tile); every
         call of a block must then get them, in order.
+      after_store: called by both compute warpgroups once they have issued
+        the tile's stores (e.g. to await and announce them).
     """
     t = self.tiles
     wg = lax.axis_index(WG_AXIS)
@@ -394,6 +398,8 @@ class TileMatmul:
           after_k()
         self._epilogue(acc[...].astype(self.out_dtype), stores, (wg_rows, wg_cols),
                        scratch["out_smem"].at[wg])
+        if after_store is not None:
+          after_store()
 
     def run(state):
       self._pipeline(mma, compute_context, state, before_load)(

@@ -40,6 +40,15 @@ the first one's store (at D > 2 with few waves per step that wait is a whole
 tile: the first sender announces a tile one tile late). The own tiles still
 wait for the D - 1 peers' partials, so that the output is complete on exit.
 
+With `config.senders` = S > 0 (experimental), no computing SM stores into a
+peer: the tiles of peer steps store their partials into a local staging
+buffer [D - 1, M / D, N] (at HBM speed) and announce each there (`staged`);
+the last S blocks of the grid compute nothing and forward the staged tiles
+to their owners in tile order, granule by granule through shared memory,
+with the same stores, reduce-stores and signals as above (benchmarks/
+NOTES.md, RS hypothesis H4: a TMA store into a peer holds its SM's TMA
+queue at the link's pace, and the next tile's loads wait behind it).
+
 Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
 zeroing that every block does before its first tile); later peer tiles wait
 only for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
@@ -58,6 +67,7 @@ interpreter cannot run): that is how the schedule is tested on CPU.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +84,10 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_NAME = "matmul_reduce_scatter"
 # Rows per device are padded up to a multiple of this before tiles are chosen.
 _ROW_QUANTUM = 64
+# Sender blocks of the "senders" variant: while the GEMM runs, one SM's TMA
+# stores into a peer carried ~13-15 GB/s (AG v13), so 16 carry the ~150 GB/s
+# that the partials need at D = 4, 8192 rows.
+_SENDERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +103,14 @@ class MatmulReduceScatterConfig:
     add_all: zero the output first and reduce-add every partial (see the
       module). Experimental: lowers and passes the CPU tests, not yet run on
       GPUs; `default_config` does not set it.
+    senders: blocks that only forward the peers' partials, staged by the
+      computing blocks (see the module); 0: the computing blocks store into
+      the peers themselves. Experimental, like add_all (and not with it).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
   add_all: bool = False
+  senders: int = 0
 
   def padded_rows(self, rows: int) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -138,14 +156,16 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
 # The experimental variants of a config, by name (benchmarked and GPU-tested
 # beside the default; not taken by `default_config` until measured faster).
 VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all,
-            "staged_add_all": lambda config: staged_epilogue(with_add_all(config))}
+            "staged_add_all": lambda config: staged_epilogue(with_add_all(config)),
+            "senders": lambda config: dataclasses.replace(config, senders=_SENDERS)}
 
 
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
   """Why `config` is experimental (not yet run on GPUs), or None."""
-  if config.add_all:
-    return ("config.add_all is experimental: it lowers and passes the CPU tests, not yet run on"
-            " GPUs.")
+  for field in ("add_all", "senders"):
+    if getattr(config, field):
+      return (f"config.{field} is experimental: it lowers and passes the CPU tests, not yet run"
+              " on GPUs.")
   return None
 
 
@@ -157,9 +177,19 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, MatmulReduceScatterConfig):
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
+  if config.senders < 0 or (config.senders and config.add_all):
+    return (f"config.senders must be >= 0 and 0 with add_all, got {config.senders} with"
+            f" add_all={config.add_all}.")
   padded = config.padded_rows(rows)
   return (config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, padded, config.tiles.cta_m))
+
+
+class _Visit(NamedTuple):
+  """A block's visit of one tile, as `plgpu.nd_loop` describes it."""
+  index: tuple
+  local_index: object
+  num_local_steps: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,12 +240,17 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   n_tiles = n // tiles.cta_n
   per_step = m_chunks * n_tiles
   total = d * per_step
-  grid = min(num_sms, total)
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
   remote = exchange and d > 1
   add_all = remote and config.add_all
+  senders = config.senders if remote else 0
+  compute_grid = min(num_sms - senders, total)  # the blocks that run tiles
+  if compute_grid < 1 or (senders and add_all):
+    raise ValueError(f"config.senders={senders} needs add_all=False and leaves no SM of"
+                     f" {num_sms} to compute, or add_all={add_all} is set with it.")
+  grid = compute_grid + senders
 
-  def body(x_ref, w_ref, out_ref):
+  def body(x_ref, w_ref, out_ref, *stage):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
@@ -226,6 +261,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       # ready[o]: how many of device o's compute warpgroups have zeroed their
       # share of o's output (add_all).
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,))) if add_all else None
+      # staged[s, t]: the compute warpgroups that staged their half of peer
+      # tile (s, t) here for the senders (senders).
+      staged = pl.get_global(plgpu.SemaphoreType.REGULAR((d - 1, per_step))) if senders else None
+    stage_ref = stage[0] if senders else None
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
@@ -275,11 +314,15 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           core(scratch, a_rows, b_cols, out_ref.at[at], **order)
         return
 
+      if senders:
+        stage_tile(scratch, step, t, at, a_rows, b_cols, order)
+        return
+
       def after_k():
         """The previous tile's announcement, then what this tile waits for:
         a later sender for the first sender's store, the owner for every
         peer's partial."""
-        pl.when(info.local_index > 0)(lambda: announce(lin - grid))
+        pl.when(info.local_index > 0)(lambda: announce(lin - compute_grid))
         if first_in is not None:
           @pl.when((step > 0) & (step < d - 1))
           @jax.named_scope("wait_first")
@@ -287,10 +330,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
             pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
             signals.async_proxy_fence()
         if ready is not None:  # once per owner: the block's first tile of each step
-          @pl.when((info.local_index == 0) | ((lin - grid) // per_step != step))
+          @pl.when((info.local_index == 0) | ((lin - compute_grid) // per_step != step))
           @jax.named_scope("wait_ready")
           def _():
-            pl.semaphore_wait(ready.at[owner(step)], 2 * grid, decrement=False)
+            pl.semaphore_wait(ready.at[owner(step)], 2 * compute_grid, decrement=False)
             signals.async_proxy_fence()
 
         @pl.when(step == d - 1)
@@ -306,11 +349,85 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       with jax.named_scope("tile"):
         core(scratch, a_rows, b_cols, stores, after_k=after_k, **order)
 
+    def wait_peers(step, t):
+      """An own tile, before its epilogue: every peer's half has landed."""
+      @pl.when(step == d - 1)
+      @jax.named_scope("wait_peers")
+      def _():
+        pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
+        signals.async_proxy_fence()
+
+    def stage_tile(scratch, step, t, at, a_rows, b_cols, order):
+      """senders: a peer tile's partial into the staging buffer, announced
+      here once stored; an own tile reduce-added once the peers' partials
+      have landed."""
+      def after_store():
+        @pl.when(step < d - 1)
+        @jax.named_scope("signal")
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          signals.signal(staged.at[step, t], "gpu")
+
+      stores = [gemm_core.TileStore(stage_ref.at[jnp.minimum(step, d - 2)].at[at], when=step < d - 1),
+                gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add")]
+      with jax.named_scope("tile"):
+        core(scratch, a_rows, b_cols, stores, after_k=lambda: wait_peers(step, t),
+             after_store=after_store, **order)
+
+    def send_staged(scratch, loaded):
+      """senders: warpgroup 0 of each sender block forwards staged peer tiles
+      (s, t), in tile order, round robin over the senders, granule by granule
+      through the epilogue's shared memory; then announces each as the
+      computing blocks would have."""
+      t_ = tiles
+      slots = [scratch["out_smem"].at[i, j] for i in range(2) for j in range(t_.epi_slots)]
+      granules = [(pl.ds(r * t_.epi_tile_m, t_.epi_tile_m), pl.ds(c * t_.epi_tile_n, t_.epi_tile_n))
+                  for r in range(t_.cta_m // t_.epi_tile_m)
+                  for c in range(t_.cta_n // t_.epi_tile_n)]
+
+      @pl.loop(sm - compute_grid, (d - 1) * per_step, step=senders)
+      def _(item):
+        step, t, chunk, n_idx = place(item)
+        at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
+        with jax.named_scope("wait_staged"):
+          pl.semaphore_wait(staged.at[step, t], 2, decrement=False)
+          signals.async_proxy_fence()
+        if first_in is not None:
+          @pl.when(step > 0)
+          @jax.named_scope("wait_first")
+          def _():
+            pl.semaphore_wait(first_in.at[step, t, 0], 1, decrement=False)
+            signals.async_proxy_fence()
+        src = stage_ref.at[step].at[at]
+        dsts = [plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at] for s in range(d - 1)]
+        with jax.named_scope("forward"):
+          for i, granule in enumerate(granules):
+            slot, barrier = slots[i % len(slots)], loaded.at[i % len(slots)]
+            plgpu.wait_smem_to_gmem(len(slots) - 1, wait_read_only=True)  # the slot is free
+            plgpu.copy_gmem_to_smem(src.at[granule], slot, barrier)
+            plgpu.barrier_wait(barrier)
+            for s, dst in enumerate(dsts):
+              plgpu.copy_smem_to_gmem(slot, dst.at[granule], predicate=step == s,
+                                      commit_group=False, reduction_op="add" if s else None)
+            plgpu.commit_smem_to_gmem_group()
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        for s in range(d - 1):
+          @pl.when(step == s)
+          def _(s=s):
+            for half in range(2):
+              signals.signal(plgpu.remote_ref(landed.at[t, half], {axis_name: owner(s)}), "sys")
+        if first_in is not None:
+          @pl.when(step == 0)
+          def _():
+            for s in range(1, d - 1):
+              later = {axis_name: lax.rem(me - s + d, d)}
+              signals.signal(plgpu.remote_ref(first_in.at[s, t, 0], later), "sys")
+
     def zero_own_share(scratch):
       """The compute warpgroups zero this block's share of the output's tiles,
       then tell every device (add_all)."""
       def tiles_of_block(store):
-        @pl.loop(sm, per_step, step=grid)
+        @pl.loop(sm, per_step, step=compute_grid)
         def _(t):
           chunk, n_idx = t // n_tiles, t % n_tiles
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
@@ -321,23 +438,44 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
 
     @jax.named_scope("tiles")
-    def run_tiles(**scratch):
+    def run_tiles(loaded=None, **scratch):
       if add_all:
         pl.when(wg < 2)(jax.named_scope("zero")(lambda: zero_own_share(scratch)))
+      if not senders:
+        @plgpu.nd_loop((total,), collective_axes="sm")
+        def _(info):
+          tile(scratch, info)
+        return
 
-      @plgpu.nd_loop((total,), collective_axes="sm")
-      def _(info):
-        tile(scratch, info)
+      @pl.when(sm < compute_grid)
+      def _():
+        mine = (total - sm + compute_grid - 1) // compute_grid
 
-    pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
-    if remote:
+        @pl.loop(0, mine)
+        def _(i):
+          tile(scratch, _Visit((sm + i * compute_grid,), i, mine))
+
+      pl.when((sm >= compute_grid) & (wg == 0))(
+          jax.named_scope("send")(lambda: send_staged(scratch, loaded)))
+
+    extra = {}
+    if senders:  # a sender's granule loads, one barrier per shared-memory slot
+      extra["loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2 * tiles.epi_slots)
+    pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref),
+                  **extra)
+    if remote and not senders:
       # The block's last tile, announced by the warpgroups that stored it.
       mine = (total - sm + grid - 1) // grid
       pl.when((wg < 2) & (mine > 0))(lambda: announce(sm + (mine - 1) * grid))
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
-  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
-                         num_sms=grid, interpret=interpret)(x, w)
+  out_type = jax.ShapeDtypeStruct(shape, x.dtype)
+  if senders:  # the staging buffer: an output that nothing reads afterwards
+    out_type = (out_type, jax.ShapeDtypeStruct((d - 1, padded, n), x.dtype))
+  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_type, num_sms=grid,
+                         interpret=interpret)(x, w)
+  if senders:
+    out = out[0]
   out = out[..., :rows, :]
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))

@@ -288,7 +288,7 @@ def test_auto_follows_the_decode_table_over_all_three_impls(winner, monkeypatch,
 
 def test_explain_marks_experimental_kernel_configs(monkeypatch):
   """A config that has not run on GPUs yet (AG send="ring" or stream, RS
-  add_all) runs
+  add_all or senders) runs
   when passed, and `explain` says that it is experimental; defaults carry no
   caveat."""
   from pallas_kernels import all_gather_matmul as agk  # pylint: disable=import-outside-toplevel
@@ -306,7 +306,10 @@ def test_explain_marks_experimental_kernel_configs(monkeypatch):
       *rs_args, axis_size=4, impl="pallas", config=rsk.with_add_all(rs_default))
   streamed = jax_overlap.explain_all_gather_matmul(
       *ag_args, axis_size=4, impl="pallas", config=dataclasses.replace(ag_default, stream=True))
-  for choice, field in ((ring, "send='ring'"), (added, "add_all"), (streamed, "stream")):
+  senders = jax_overlap.explain_matmul_reduce_scatter(
+      *rs_args, axis_size=4, impl="pallas", config=rsk.VARIANTS["senders"](rs_default))
+  for choice, field in ((ring, "send='ring'"), (added, "add_all"), (streamed, "stream"),
+                        (senders, "senders")):
     assert choice.impl == "pallas" and field in choice.caveat and "experimental" in choice.caveat
     assert "caveat: " in str(choice)
 

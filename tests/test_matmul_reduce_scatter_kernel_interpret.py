@@ -215,6 +215,35 @@ def test_add_all_lowers_for_cuda_without_first_in_waits(d):
   assert "wait_ready" in added
 
 
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_senders_lower_for_cuda(d):
+  """senders (experimental): the computing blocks stage peer partials
+  locally and announce them here; the sender blocks wait for them (and, at
+  D > 2, for the first sender's store) and forward them; all of it lowers for
+  CUDA, the staging buffer being a second kernel output."""
+  m, k, n = 128 * d, 1024, 1024
+  mesh = jax.make_mesh((d,), ("x",))
+  config = rs.VARIANTS["senders"](rs.default_config(m // d, k, n, BF16, axis_size=d,
+                                                     num_sms=132))
+  assert config.senders > 0 and rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  f = jax.jit(jax.shard_map(
+      lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
+      mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  assert "wait_staged" in module and "red.release.gpu" in module
+  assert ("wait_first" in module) == (d > 2)
+
+
+@pytest.mark.parametrize("senders,add_all", [(-1, False), (8, True)])
+def test_bad_senders_are_rejected(senders, add_all):
+  config = rs.MatmulReduceScatterConfig(senders=senders, add_all=add_all)
+  assert "config.senders must be >= 0 and 0 with add_all" in rs.unsupported_reason(
+      1024, 4096, 4096, BF16, config)
+
+
 def test_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     _config(64, "n").strip_chunks = 2  # type: ignore[misc]
