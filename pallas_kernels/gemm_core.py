@@ -445,6 +445,35 @@ class TileMatmul:
         plgpu.commit_smem_to_gmem_group()
 
 
+def relay_tile(src, stores, slots, loaded, granule: tuple[int, int]) -> None:
+  """Copies the GMEM tile `src` to each of `stores` (`TileStore`s of the same
+  shape: stored or reduce-stored where `when` holds) through shared memory,
+  granule by granule: `slots` are SMEM refs of shape `granule`, `loaded` one
+  barrier per slot; the loads run ahead of the stores by all but one slot.
+  Issue it from one warpgroup; it returns once every store has landed."""
+  rows, cols = src.shape
+  granules = [(pl.ds(r, granule[0]), pl.ds(c, granule[1]))
+              for r in range(0, rows, granule[0]) for c in range(0, cols, granule[1])]
+  n, ahead = len(slots), len(slots) - 1
+
+  def load(i):
+    plgpu.copy_gmem_to_smem(src.at[granules[i]], slots[i % n], loaded.at[i % n])
+
+  for i in range(min(ahead, len(granules))):
+    load(i)
+  for i, at in enumerate(granules):
+    plgpu.barrier_wait(loaded.at[i % n])
+    for store in stores:
+      plgpu.copy_smem_to_gmem(slots[i % n], store.ref.at[at], predicate=store.when,
+                              commit_group=False, reduction_op=store.reduction)
+    plgpu.commit_smem_to_gmem_group()
+    if i + ahead < len(granules):
+      # Granule i + ahead goes where granule i - 1 was: its stores have read it.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      load(i + ahead)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
 def launch(body, *, name: str, out_type, num_sms: int, interpret=None):
   """`plgpu.kernel` with the core's thread layout: a persistent grid "sm" of
   `num_sms` blocks of three warpgroups. `name` names the GPU kernel

@@ -377,13 +377,9 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     def send_staged(scratch, loaded):
       """senders: warpgroup 0 of each sender block forwards staged peer tiles
       (s, t), in tile order, round robin over the senders, granule by granule
-      through the epilogue's shared memory; then announces each as the
-      computing blocks would have."""
-      t_ = tiles
-      slots = [scratch["out_smem"].at[i, j] for i in range(2) for j in range(t_.epi_slots)]
-      granules = [(pl.ds(r * t_.epi_tile_m, t_.epi_tile_m), pl.ds(c * t_.epi_tile_n, t_.epi_tile_n))
-                  for r in range(t_.cta_m // t_.epi_tile_m)
-                  for c in range(t_.cta_n // t_.epi_tile_n)]
+      through the epilogue's shared memory (`gemm_core.relay_tile`); then
+      announces each as the computing blocks would have."""
+      slots = [scratch["out_smem"].at[i, j] for i in range(2) for j in range(tiles.epi_slots)]
 
       @pl.loop(sm - compute_grid, (d - 1) * per_step, step=senders)
       def _(item):
@@ -398,19 +394,12 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           def _():
             pl.semaphore_wait(first_in.at[step, t, 0], 1, decrement=False)
             signals.async_proxy_fence()
-        src = stage_ref.at[step].at[at]
-        dsts = [plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at] for s in range(d - 1)]
+        stores = [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
+                                      when=step == s, reduction="add" if s else None)
+                  for s in range(d - 1)]
         with jax.named_scope("forward"):
-          for i, granule in enumerate(granules):
-            slot, barrier = slots[i % len(slots)], loaded.at[i % len(slots)]
-            plgpu.wait_smem_to_gmem(len(slots) - 1, wait_read_only=True)  # the slot is free
-            plgpu.copy_gmem_to_smem(src.at[granule], slot, barrier)
-            plgpu.barrier_wait(barrier)
-            for s, dst in enumerate(dsts):
-              plgpu.copy_smem_to_gmem(slot, dst.at[granule], predicate=step == s,
-                                      commit_group=False, reduction_op="add" if s else None)
-            plgpu.commit_smem_to_gmem_group()
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          gemm_core.relay_tile(stage_ref.at[step].at[at], stores, slots, loaded,
+                               (tiles.epi_tile_m, tiles.epi_tile_n))
         for s in range(d - 1):
           @pl.when(step == s)
           def _(s=s):

@@ -15,7 +15,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
@@ -213,6 +215,37 @@ def test_add_all_lowers_for_cuda_without_first_in_waits(d):
   assert "red.release.gpu" in added and "red.release.gpu" not in base  # the local ready
   assert ("wait_first" in base) == (d > 2) and "wait_first" not in added
   assert "wait_ready" in added
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slots", [2, 4])
+def test_relay_tile_copies_every_granule_through_the_slots(slots, interpreter):
+  """`gemm_core.relay_tile` (a sender's forward, here into two local outputs:
+  the interpreter runs no remote refs, predicates or reduce-stores): every
+  granule of the tile reaches both, and the race detector sees each slot
+  reused only after its stores read it."""
+  tiles = _config(64, "n").tiles  # 64 x 128 CTA tiles; 64 x 64 granules
+  core = gemm_core.TileMatmul(tiles, 128, BF16, BF16)
+  rows, cols = 2 * tiles.cta_m, 2 * tiles.cta_n  # 8 granules
+
+  def body(src_ref, w_ref, out_ref, other_ref):
+    def run(loaded, **scratch):
+      wg = jax.lax.axis_index(gemm_core.WG_AXIS)
+      smem = [scratch["out_smem"].at[i // 2, i % 2] for i in range(slots)]
+      stores = [gemm_core.TileStore(out_ref), gemm_core.TileStore(other_ref)]
+      pl.when(wg == 0)(lambda: gemm_core.relay_tile(
+          src_ref, stores, smem, loaded, (tiles.epi_tile_m, tiles.epi_tile_n)))
+    pl.run_scoped(run, plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+                  collective_axes=gemm_core.WG_AXIS, **core.scratch(src_ref, w_ref))
+
+  src = testkit.rng("relay", slots).standard_normal((rows, cols)).astype(BF16)
+  out_type = jax.ShapeDtypeStruct((rows, cols), BF16)
+  out, other = gemm_core.launch(body, name="relay", out_type=(out_type, out_type), num_sms=1,
+                                interpret=interpreter(detect_races=True))(
+                                    jnp.asarray(src), jnp.ones((128, cols), BF16))
+  np.testing.assert_array_equal(np.asarray(out), src)
+  np.testing.assert_array_equal(np.asarray(other), src)
+  assert not interpret_pallas_call.get_races().races_found
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])
