@@ -218,7 +218,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     x: [M, K_shard] bf16/fp16, M a multiple of D. w: [K_shard, N], same dtype.
     axis_name: the mesh axis of size D that shards K (the kernel runs inside
       shard_map over it); unused with `standalone`.
-    config: tiles; `unsupported_reason` must have accepted the shapes.
+    config: tiles and exchange design; `unsupported_reason` must have
+      accepted the shapes.
     num_sms: blocks of the persistent grid at most (the GPU's SM count).
     standalone: replaces the exchange (see `Standalone`).
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
@@ -245,9 +246,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   add_all = remote and config.add_all
   senders = config.senders if remote else 0
   compute_grid = min(num_sms - senders, total)  # the blocks that run tiles
-  if compute_grid < 1 or (senders and add_all):
-    raise ValueError(f"config.senders={senders} needs add_all=False and leaves no SM of"
-                     f" {num_sms} to compute, or add_all={add_all} is set with it.")
+  if senders and add_all:
+    raise ValueError("config.senders and config.add_all cannot be combined.")
+  if compute_grid < 1:
+    raise ValueError(f"config.senders={senders} leaves none of the {num_sms} SMs to run tiles.")
   grid = compute_grid + senders
 
   def body(x_ref, w_ref, out_ref, *stage):
