@@ -32,7 +32,7 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
-STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile}"
+STEPS="${STEPS:-gpu_tests all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile windowed_einsum auto_grid}"
 
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
@@ -68,6 +68,11 @@ step kernel_profile bash -c 'python3 -m benchmarks.kernel_profile --op=all_gathe
     --op=flash_decode --shape=8,64,8,128,8192 --trace_dir="$0/traces" && python3 -m \
     benchmarks.kernel_profile --op=matmul_reduce_scatter --shape=2048,4096,4096 \
     --trace_dir="$0/traces"' "$OUT"
+
+# Issue 30's windowed-einsum mismatch, isolated (XLA alone against float64).
+step windowed_einsum python3 -m benchmarks.windowed_einsum_check
+# Whether `auto` is within 2% of the fastest impl on the Llama-3 grid (tables not rewritten).
+step auto_grid python3 -m benchmarks.auto_grid --out_dir="$OUT" --iterations="$ITERATIONS"
 
 for json in "$OUT"/*.json; do
   [ -e "$json" ] && cp "$json" benchmarks/results/
