@@ -49,6 +49,13 @@ with the same stores, reduce-stores and signals as above (benchmarks/
 NOTES.md, RS hypothesis H4: a TMA store into a peer holds its SM's TMA
 queue at the link's pace, and the next tile's loads wait behind it).
 
+With `config.entry` (experimental), the devices meet inside the kernel
+instead of at XLA's barrier before it (`pallas_kernels.entry`): block 0's
+first compute warpgroup runs the handshake after its first K loop, and every
+block waits for it before its first epilogue, the first write into a peer. A
+device that starts before its peers computes its first tiles meanwhile
+instead of waiting at the barrier (the decode kernel's v10).
+
 Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
 zeroing that every block does before its first tile); later peer tiles wait
 only for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
@@ -75,6 +82,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
@@ -106,11 +114,14 @@ class MatmulReduceScatterConfig:
     senders: blocks that only forward the peers' partials, staged by the
       computing blocks (see the module); 0: the computing blocks store into
       the peers themselves. Experimental, like add_all (and not with it).
+    entry: meet the peers inside the kernel, not at XLA's barrier (see the
+      module). Experimental; not with add_all or senders.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
   add_all: bool = False
   senders: int = 0
+  entry: bool = False
 
   def padded_rows(self, rows: int) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -157,12 +168,13 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
 # beside the default; not taken by `default_config` until measured faster).
 VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all,
             "staged_add_all": lambda config: staged_epilogue(with_add_all(config)),
-            "senders": lambda config: dataclasses.replace(config, senders=_SENDERS)}
+            "senders": lambda config: dataclasses.replace(config, senders=_SENDERS),
+            "entry": lambda config: dataclasses.replace(config, entry=True)}
 
 
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
   """Why `config` is experimental (not yet run on GPUs), or None."""
-  for field in ("add_all", "senders"):
+  for field in ("add_all", "senders", "entry"):
     if getattr(config, field):
       return (f"config.{field} is experimental: it lowers and passes the CPU tests, not yet run"
               " on GPUs.")
@@ -180,6 +192,8 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
   if config.senders < 0 or (config.senders and config.add_all):
     return (f"config.senders must be >= 0 and 0 with add_all, got {config.senders} with"
             f" add_all={config.add_all}.")
+  if config.entry and (config.add_all or config.senders):
+    return "config.entry cannot be combined with add_all or senders."
   padded = config.padded_rows(rows)
   return (config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, padded, config.tiles.cta_m))
@@ -246,8 +260,9 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   add_all = remote and config.add_all
   senders = config.senders if remote else 0
   compute_grid = min(num_sms - senders, total)  # the blocks that run tiles
-  if senders and add_all:
-    raise ValueError("config.senders and config.add_all cannot be combined.")
+  meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
+  if (senders and add_all) or (meet and (senders or add_all)):
+    raise ValueError("config.senders, config.add_all and config.entry: at most one.")
   if compute_grid < 1:
     raise ValueError(f"config.senders={senders} leaves none of the {num_sms} SMs to run tiles.")
   grid = compute_grid + senders
@@ -267,6 +282,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       # tile (s, t) here for the senders (senders).
       staged = pl.get_global(plgpu.SemaphoreType.REGULAR((d - 1, per_step))) if senders else None
     stage_ref = stage[0] if senders else None
+    peers_in = entry.Entry(axis_name, d, me) if meet else None
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
@@ -321,9 +337,16 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         return
 
       def after_k():
-        """The previous tile's announcement, then what this tile waits for:
-        a later sender for the first sender's store, the owner for every
-        peer's partial."""
+        """On a block's first tile with `entry`, the peers have entered the
+        call (block 0's first warpgroup finds out); then the previous tile's
+        announcement, then what this tile waits for: a later sender for the
+        first sender's store, the owner for every peer's partial."""
+        if peers_in is not None:
+          @pl.when(info.local_index == 0)
+          @jax.named_scope("entry")
+          def _():
+            pl.when((sm == 0) & (wg == 0))(peers_in.porter)
+            peers_in.wait()
         pl.when(info.local_index > 0)(lambda: announce(lin - compute_grid))
         if first_in is not None:
           @pl.when((step > 0) & (step < d - 1))
@@ -465,7 +488,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   if senders:  # the staging buffer: an output that nothing reads afterwards
     out_type = (out_type, jax.ShapeDtypeStruct((d - 1, padded, n), x.dtype))
   out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_type, num_sms=grid,
-                         interpret=interpret)(x, w)
+                         interpret=interpret, skip_device_barrier=meet)(x, w)
   if senders:
     out = out[0]
   out = out[..., :rows, :]

@@ -308,8 +308,10 @@ def test_explain_marks_experimental_kernel_configs(monkeypatch):
       *ag_args, axis_size=4, impl="pallas", config=dataclasses.replace(ag_default, stream=True))
   senders = jax_overlap.explain_matmul_reduce_scatter(
       *rs_args, axis_size=4, impl="pallas", config=rsk.VARIANTS["senders"](rs_default))
+  entry = jax_overlap.explain_matmul_reduce_scatter(
+      *rs_args, axis_size=4, impl="pallas", config=rsk.VARIANTS["entry"](rs_default))
   for choice, field in ((ring, "send='ring'"), (added, "add_all"), (streamed, "stream"),
-                        (senders, "senders")):
+                        (senders, "senders"), (entry, "entry")):
     assert choice.impl == "pallas" and field in choice.caveat and "experimental" in choice.caveat
     assert "caveat: " in str(choice)
 

@@ -190,6 +190,7 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   assert f"{rs.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert ("red.release.sys" in module) == (d > 1)
   assert ("fence.proxy.async.global" in module) == (d > 1)
+  assert "skip_device_barrier = true" not in module  # XLA's barrier precedes the launch
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])
@@ -268,6 +269,32 @@ def test_senders_lower_for_cuda(d):
       sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
   assert "wait_staged" in module and "red.release.gpu" in module
   assert ("wait_first" in module) == (d > 2)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_entry_meets_the_peers_in_the_kernel(d):
+  """entry (experimental): no XLA barrier before the launch; the handshake's
+  spin over the D - 1 peers' markers, and the wait for it, lower for CUDA."""
+  m, k, n = 128 * d, 1024, 1024
+  mesh = jax.make_mesh((d,), ("x",))
+  config = rs.VARIANTS["entry"](rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  assert config.entry and rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  f = jax.jit(jax.shard_map(
+      lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
+      mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
+  assert module.count("ld.relaxed.sys.global.b32 first") == d - 1
+
+
+@pytest.mark.parametrize("config", [rs.MatmulReduceScatterConfig(entry=True, add_all=True),
+                                    rs.MatmulReduceScatterConfig(entry=True, senders=4)],
+                         ids=["add_all", "senders"])
+def test_entry_is_not_combined(config):
+  assert "config.entry cannot be combined" in rs.unsupported_reason(1024, 4096, 4096, BF16, config)
 
 
 @pytest.mark.parametrize("senders,add_all", [(-1, False), (8, True)])
