@@ -55,15 +55,6 @@ def _pallas_support(p: Problem) -> str | None:
       p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
 
 
-# Decode-size rows against wide weights: reported 2026-11-26 (issue 30, H100,
-# Llama-family projections) at about 2x the time of XLA's BSP path at D = 2
-# and 4 with <= 128 rows and >= 8K columns per device; at 128 x 8192 x 7168 per
-# shard the kernel was still 1.05x ahead at D = 4. Until the grid measures
-# the boundary (benchmarks/auto_grid.py), "auto" keeps such shapes on BSP.
-_AUTO_BSP_MAX_ROWS = 128
-_AUTO_BSP_MIN_COLS = 8192
-
-
 def _pallas_caveat(p: Problem) -> str | None:
   return kernel.experimental_reason(_kernel_config(p))
 
@@ -73,11 +64,28 @@ def _key(p: Problem) -> str:
   return tuned.problem_key(p.axis_size, p.m_shard, p.k, p.n_shard, p.dtype)
 
 
+# Decode-size rows, reported 2026-11-26 (issue 30, H100, Llama-family
+# projections): against wide weights (>= 8K columns per device) about 2x the
+# time of XLA's BSP path at D = 2 and 4; against narrow ones (~2.5K columns)
+# 0.90x of BSP's speed at D = 4; at 128 x 8192 x 7168 per shard the kernel was
+# still 1.05x ahead at D = 4. Until the grid measures the boundaries
+# (benchmarks/auto_grid.py), "auto" keeps the first two on BSP.
+_AUTO_BSP_MAX_ROWS = 128
+_AUTO_BSP_MIN_COLS = 8192
+_AUTO_BSP_MAX_NARROW_COLS = 4096  # at D >= 3
+
+
 def _small_m_rule(p: Problem) -> str | None:
-  if p.m_shard <= _AUTO_BSP_MAX_ROWS and p.n_shard >= _AUTO_BSP_MIN_COLS:
+  if p.m_shard > _AUTO_BSP_MAX_ROWS:
+    return None
+  if p.n_shard >= _AUTO_BSP_MIN_COLS:
     return (f"reported about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
             f" >= {_AUTO_BSP_MIN_COLS} columns per device ({p.m_shard} x {p.n_shard} here);"
             " impl='pallas' runs it.")
+  if p.axis_size >= 3 and p.n_shard <= _AUTO_BSP_MAX_NARROW_COLS:
+    return (f"reported slower than BSP (0.90x) at D >= 3 with <= {_AUTO_BSP_MAX_ROWS} rows and"
+            f" <= {_AUTO_BSP_MAX_NARROW_COLS} columns per device ({p.m_shard} x {p.n_shard}"
+            " here); impl='pallas' runs it.")
   return None
 
 

@@ -180,20 +180,22 @@ def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, im
   assert named.impl == "pallas"
 
 
-@pytest.mark.parametrize("m_shard,n_shard,impl", [(128, 14336, "xla_bsp"), (128, 7168, "pallas"),
-                                                  (256, 14336, "pallas")])
-def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(m_shard, n_shard, impl, monkeypatch):
-  """Decode-size rows against wide weights were measured slower than BSP:
-  "auto" declines the kernel there and says why; named, it runs."""
+@pytest.mark.parametrize("d,m_shard,n_shard,impl", [
+    (4, 128, 14336, "xla_bsp"), (4, 128, 7168, "pallas"), (4, 256, 14336, "pallas"),
+    (4, 128, 2560, "xla_bsp"), (2, 128, 2560, "pallas"), (4, 256, 2560, "pallas")])
+def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(d, m_shard, n_shard, impl, monkeypatch):
+  """Decode-size rows against wide weights (any D), or narrow ones at D >= 3,
+  were reported slower than BSP: "auto" declines the kernel there and says
+  why; named, it runs."""
   from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   args = S(m_shard, 8192), S(8192, n_shard)
-  choice = jax_overlap.explain_all_gather_matmul(*args, axis_size=4)
+  choice = jax_overlap.explain_all_gather_matmul(*args, axis_size=d)
   assert choice.impl == impl
   if impl == "xla_bsp":
     assert "slower than BSP" in dict(choice.rejected)["pallas"]
-  assert jax_overlap.explain_all_gather_matmul(*args, axis_size=4, impl="pallas").impl == "pallas"
+  assert jax_overlap.explain_all_gather_matmul(*args, axis_size=d, impl="pallas").impl == "pallas"
 
 
 @pytest.mark.parametrize("winner", ["pallas", "xla_bsp"])
