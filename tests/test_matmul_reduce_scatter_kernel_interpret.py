@@ -156,6 +156,21 @@ def test_default_config_strips_only_past_two_waves():
 # --- the exchange lowers for CUDA ---------------------------------------------
 
 
+def _cuda_module(config, m: int, k: int, n: int, d: int, body=None) -> str:
+  """The MLIR that exporting the per-shard op for CUDA on a D-device mesh
+  gives: x [m, D * k] and w [D * k, n] (K sharded), this device's rows out;
+  `body(x, w)` replaces the kernel call (e.g. to check its output's type)."""
+  mesh = jax.make_mesh((d,), ("x",))
+  body = body or (lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config,
+                                                        num_sms=132))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)),
+                            out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  return jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+
+
 @pytest.mark.parametrize("d,shape", [
     (1, (256, 1024, 1024)),
     (2, (2048, 4096, 4096)),
@@ -171,7 +186,6 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   tiles are announced by release-ordered adds and the waits are followed by
   the async-proxy fence; at D = 1 there is neither."""
   m, k, n = shape
-  mesh = jax.make_mesh((d,), ("x",))
   config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
   assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
 
@@ -181,12 +195,7 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
     assert jax.typeof(out).manual_axis_type.varying == frozenset({"x"})
     return out
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)),
-                            out_specs=jax.P("x")))
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
-  module = jax.export.export(f, platforms=["cuda"])(
-      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  module = _cuda_module(config, m, k, n, d, body)
   assert f"{rs.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert ("red.release.sys" in module) == (d > 1)
   assert ("fence.proxy.async.global" in module) == (d > 1)
@@ -199,20 +208,8 @@ def test_add_all_lowers_for_cuda_without_first_in_waits(d):
   signals and the reduce-adds of every step lower for CUDA; the later
   senders' wait for the first sender's store is gone."""
   m, k, n = 128 * d, 1024, 1024
-  mesh = jax.make_mesh((d,), ("x",))
-
-  def module(add_all):
-    config = dataclasses.replace(
-        rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132), add_all=add_all)
-    f = jax.jit(jax.shard_map(
-        lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
-        mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
-    sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                   sharding=jax.NamedSharding(mesh, spec))
-    return jax.export.export(f, platforms=["cuda"])(
-        sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
-
-  base, added = module(False), module(True)
+  config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
+  base, added = (_cuda_module(c, m, k, n, d) for c in (config, rs.with_add_all(config)))
   assert "red.release.gpu" in added and "red.release.gpu" not in base  # the local ready
   assert ("wait_first" in base) == (d > 2) and "wait_first" not in added
   assert "wait_ready" in added
@@ -256,17 +253,10 @@ def test_senders_lower_for_cuda(d):
   D > 2, for the first sender's store) and forward them; all of it lowers for
   CUDA, the staging buffer being a second kernel output."""
   m, k, n = 128 * d, 1024, 1024
-  mesh = jax.make_mesh((d,), ("x",))
   config = rs.VARIANTS["senders"](rs.default_config(m // d, k, n, BF16, axis_size=d,
                                                      num_sms=132))
   assert config.senders > 0 and rs.unsupported_reason(m // d, k, n, BF16, config) is None
-  f = jax.jit(jax.shard_map(
-      lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
-      mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
-  module = jax.export.export(f, platforms=["cuda"])(
-      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  module = _cuda_module(config, m, k, n, d)
   assert "wait_staged" in module and "red.release.gpu" in module
   assert ("wait_first" in module) == (d > 2)
 
@@ -276,16 +266,9 @@ def test_entry_meets_the_peers_in_the_kernel(d):
   """entry (experimental): no XLA barrier before the launch; the handshake's
   spin over the D - 1 peers' markers, and the wait for it, lower for CUDA."""
   m, k, n = 128 * d, 1024, 1024
-  mesh = jax.make_mesh((d,), ("x",))
   config = rs.VARIANTS["entry"](rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
   assert config.entry and rs.unsupported_reason(m // d, k, n, BF16, config) is None
-  f = jax.jit(jax.shard_map(
-      lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
-      mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
-  module = jax.export.export(f, platforms=["cuda"])(
-      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
+  module = _cuda_module(config, m, k, n, d)
   assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
   assert module.count("ld.relaxed.sys.global.b32 first") == d - 1
 
@@ -374,12 +357,4 @@ def test_staged_epilogue_fits_and_lowers_at_the_benchmark_shapes(d, shape):
   config = rs.staged_epilogue(rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
   assert config.tiles.epi_slots == 1 and config.tiles.epi_tile_n == config.tiles.tile_n
   assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
-  mesh = jax.make_mesh((d,), ("x",))
-  f = jax.jit(jax.shard_map(
-      lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132),
-      mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x", None)), out_specs=jax.P("x")))
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
-  module = jax.export.export(f, platforms=["cuda"])(
-      sds((m, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x", None))).mlir_module()
-  assert "mosaic_gpu" in module
+  assert "mosaic_gpu" in _cuda_module(config, m, k, n, d)
