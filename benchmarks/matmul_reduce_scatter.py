@@ -9,9 +9,10 @@ x @ w, [M / D, N].
 Cases:
   ours      pallas: the fused kernel, run whenever `explain(impl="pallas")`
             accepts (Hopper), also where "auto" does not take it;
-            pallas_staged, pallas_add_all: the same with each experimental
-            config variant (`rs_kernel.VARIANTS`: the epilogue staging each
-            tile whole; the output zeroed first, every partial reduce-added);
+            pallas_<variant>: the kernel with each design on the base tiles
+            (`rs_kernel.VARIANTS`: plain, the epilogue staging each tile
+            whole, the output zeroed first and every partial reduce-added,
+            sender blocks, the in-kernel entry);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -85,7 +86,7 @@ def _pallas(mesh, explain, args, config=None) -> runner.Built:
 
 def _variant_config(shape: shapes.MatmulReduceScatterShape, mesh, variant: str):
   cases.require_hopper("our kernel")
-  return rs_kernel.VARIANTS[variant](rs_kernel.default_config(
+  return rs_kernel.VARIANTS[variant](rs_kernel.base_config(
       shape.m // mesh.size, shape.k_shard, shape.n, DTYPE, axis_size=mesh.size,
       num_sms=platform.num_sms()))
 

@@ -70,7 +70,7 @@ DEFAULT_SHAPES = {
 
 # The designs compared: AG (send, stream); RS config variants.
 DESIGNS = (("forward", False), ("ring", False), ("forward", True), ("ring", True))
-RS_VARIANTS = ("default", "staged", "add_all", "staged_add_all")
+RS_VARIANTS = ("plain", "staged", "add_all", "staged_add_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,15 +136,13 @@ def ag_span_over_gemm(m_shard: int, k: int, n_shard: int, d: int, send: str, str
   return max(block_free) / (total / machine.sms * tile_us)
 
 
-def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "default",
+def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plain",
                       machine: Machine = Machine()) -> float:
   """The RS kernel's modelled time over its tiles' time; variant: one of
   RS_VARIANTS (`rs_kernel.VARIANTS` by name)."""
   rows = m // d
-  config = rs_kernel.default_config(rows, k_shard, n, jnp.bfloat16, axis_size=d,
-                                    num_sms=machine.sms)
-  if variant != "default":
-    config = rs_kernel.VARIANTS[variant](config)
+  config = rs_kernel.VARIANTS[variant](rs_kernel.base_config(
+      rows, k_shard, n, jnp.bfloat16, axis_size=d, num_sms=machine.sms))
   t = config.tiles
   padded = config.padded_rows(rows)
   per_step = (padded // t.cta_m) * (n // t.cta_n)

@@ -58,13 +58,14 @@ def _pallas_support(p: Problem) -> str | None:
 
 # The least rows per device at which "auto" takes the fused kernel, by axis
 # size (D >= 3 take the last entry). Measured side by side against the BSP
-# path (bf16 dot, then psum_scatter) on 4 H100s, 2026-11-26
-# (benchmarks/results/h100x{2,4}_matmul_reduce_scatter.json, K_shard 4096):
-# at D = 2 the kernel was 1.06-1.26x faster from 64 rows per device up and
-# 0.90x at 32; at D = 4 1.17x at 2048 rows, 1.02x at 64, but 0.89x at 512
-# and 0.61-0.82x at 16-32 (the peers' reduce-stores over NVLink).
+# path (bf16 dot, then psum_scatter) on 4 H100s (benchmarks/results/
+# h100x{2,4}_matmul_reduce_scatter.json, K_shard 4096): at D = 2 the kernel
+# was 1.06-1.26x faster from 64 rows per device up and 0.90x at 32; at D = 4,
+# with add_all (session 24), 1.06x at 512 rows and 1.23x at 2048; without it
+# (session 22) 1.02x at 64 but 0.61-0.82x at 16-32 (the peers' reduce-stores
+# over NVLink).
 _AUTO_MIN_ROWS = {1: 0, 2: 128}
-_AUTO_MIN_ROWS_MANY = 2048
+_AUTO_MIN_ROWS_MANY = 512
 
 
 def _pallas_caveat(p: Problem) -> str | None:

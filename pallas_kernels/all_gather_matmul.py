@@ -91,6 +91,11 @@ _MIN_PUSHERS = 32
 # with 32; AG v12).
 _MIN_IDLE_PUSHERS = 8
 _MAX_IDLE_PUSHERS = 12
+# At D >= 3, "ring" from this many rows per device (4x H100, side by side,
+# AG v19: 197 µs against 235 for "push" at 256 rows, 1024 x 4096 x 4096,
+# one wave; 2609 against 2857 at 1024 rows, 4096 x 8192 x 7168). Fewer rows
+# were not timed with it.
+_RING_MIN_ROWS = 256
 # Pieces of each row chunk in the first group that a remote tile of the
 # "push" send waits for (2 x 256 columns: 8 K steps of 64).
 _FIRST_GROUP_PIECES = 2
@@ -117,8 +122,8 @@ class AllGatherMatmulConfig:
         so remote tiles never wait.
       "ring": "forward" to the previous device only, from the tiles of every
         step but the last, which pass on the rows they read; each device
-        sends one shard per step (D = 2: "forward"). Experimental: lowers
-        and passes the CPU tests, not yet run on GPUs at D > 2.
+        sends one shard per step (D = 2: "forward"). The default at D >= 3
+        (`default_config`).
       "push": before its GEMM tiles (if it has any), warpgroup 0 of each of
         the last `pushers` blocks copies pieces [cta_m, push_cols] of the
         local shard HBM -> SMEM -> peers in K order and signals each once it
@@ -139,7 +144,8 @@ class AllGatherMatmulConfig:
       of 8, 8, 16, 32, ... steps, as "push" does), instead of waiting for the
       whole chunk before its first load: a remote tile then trails the
       forwarding tiles of its chunk instead of starting after them.
-      Experimental: lowers and passes the CPU tests, not yet run on GPUs.
+      Experimental: passes the GPU tests at D = 4, slower than without it
+      (benchmarks/NOTES.md, AG v20).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -168,11 +174,11 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   """A config that fits the shape (the default one if none does).
 
   Tiles: `gemm_core.choose_tiles` over the D steps.
-  Send: "push" for one wave (by up to 12 of the SMs without a tile if there
-  are 8 or more of them, else by all blocks), or two waves with many idle
-  blocks; else "forward", with the tiles in strips of row chunks when there
-  are more than two waves (benchmarks/NOTES.md has the measurements behind
-  these rules).
+  Send: at D >= 3 with at least 256 rows per device, "ring"; else "push"
+  for one wave (by up to 12 of the SMs without a tile if there are 8 or more
+  of them, else by all blocks), or two waves with many idle blocks; else
+  "forward". The tiles run in strips of row chunks past two waves
+  (benchmarks/NOTES.md has the measurements behind these rules).
   """
   tiles = gemm_core.choose_tiles(m_shard, k, n_shard, dtype, steps=axis_size,
                                  num_sms=num_sms)
@@ -181,8 +187,11 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   m_chunks = m_shard // tiles.cta_m
   per_step = m_chunks * (n_shard // tiles.cta_n)
   total = axis_size * per_step
-  if total > 2 * num_sms:
-    return AllGatherMatmulConfig(tiles, "forward", strip_chunks=gemm_core.default_strip(m_chunks))
+  strip = gemm_core.default_strip(m_chunks) if total > 2 * num_sms else None
+  if axis_size >= 3 and m_shard >= _RING_MIN_ROWS:
+    return AllGatherMatmulConfig(tiles, "ring", strip_chunks=strip)
+  if strip is not None:
+    return AllGatherMatmulConfig(tiles, "forward", strip_chunks=strip)
   # One wave: the SMs without a tile push, so that the local tiles start at
   # once; too few of them, and every block pushes. Two waves: the blocks with
   # a tile fewer push, if there are enough of them to keep NVLink busy; else
@@ -197,13 +206,10 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
 
 
 def experimental_reason(config: AllGatherMatmulConfig) -> str | None:
-  """Why `config` is experimental (not yet run on GPUs at D > 2), or None."""
-  if config.send == "ring":
-    return ("config.send='ring' is experimental: it lowers and passes the CPU tests, not yet"
-            " run on GPUs at D > 2 (at D = 2 it is 'forward').")
+  """Why `config` is experimental (not faster on GPUs where measured), or None."""
   if config.stream and config.send != "push":
-    return ("config.stream is experimental: it lowers and passes the CPU tests, not yet run"
-            " on GPUs.")
+    return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
+            " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
   return None
 
 

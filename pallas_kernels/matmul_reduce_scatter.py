@@ -32,7 +32,7 @@ Semaphores: landed[t, wg] on the owner counts the peers' halves of its tile
 t; first_in[s, t, wg] on the step-s sender says that the step-0 sender's
 half has landed at the owner.
 
-With `config.add_all` (experimental), each device first zeroes its own output
+With `config.add_all` (the default at D >= 3), each device first zeroes its own output
 (every block its share of the tiles, before its first tile) and announces
 that to every device (`ready`); then every partial, the peers' and the own,
 is reduce-added, each after the owner's `ready`, so no later sender waits for
@@ -109,11 +109,11 @@ class MatmulReduceScatterConfig:
       row chunks (see `gemm_core.strip_position`); None: one strip. Must
       divide the row chunks per block.
     add_all: zero the output first and reduce-add every partial (see the
-      module). Experimental: lowers and passes the CPU tests, not yet run on
-      GPUs; `default_config` does not set it.
+      module); `default_config` sets it at D >= 3.
     senders: blocks that only forward the peers' partials, staged by the
       computing blocks (see the module); 0: the computing blocks store into
-      the peers themselves. Experimental, like add_all (and not with it).
+      the peers themselves. Experimental (`experimental_reason`); not with
+      add_all.
     entry: meet the peers inside the kernel, not at XLA's barrier (see the
       module). Experimental; not with add_all or senders.
   """
@@ -129,29 +129,55 @@ class MatmulReduceScatterConfig:
     return -(-rows // self.tiles.cta_m) * self.tiles.cta_m
 
 
-def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
-                   num_sms: int) -> MatmulReduceScatterConfig:
-  """A config for `rows` = M / D rows per device (the default one if no
-  tiles fit): `gemm_core.choose_tiles` over the D steps, with the rows padded
-  to a multiple of 64, and strips of row chunks past two waves."""
+def base_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
+                num_sms: int) -> MatmulReduceScatterConfig:
+  """The tiles for `rows` = M / D rows per device, no design choice (the
+  default config if no tiles fit): `gemm_core.choose_tiles` over the D steps,
+  with the rows padded to a multiple of 64, and strips of row chunks past two
+  waves. `VARIANTS` and `default_config` start from it."""
   padded = -(-rows // _ROW_QUANTUM) * _ROW_QUANTUM
   tiles = gemm_core.choose_tiles(padded, k_shard, n, dtype, steps=axis_size, num_sms=num_sms)
   if tiles is None:
     return MatmulReduceScatterConfig()
-  m_chunks = padded // tiles.cta_m
-  total = axis_size * m_chunks * (n // tiles.cta_n)
-  strip = gemm_core.default_strip(m_chunks) if total > 2 * num_sms else None
+  strip = gemm_core.default_strip(padded // tiles.cta_m) if _waves(
+      padded, n, tiles, axis_size, num_sms) > 2 else None
   return MatmulReduceScatterConfig(tiles, strip)
+
+
+def _waves(padded_rows: int, n: int, tiles: gemm_core.GemmTiles, axis_size: int,
+           num_sms: int) -> float:
+  """Output tiles over all D steps per SM."""
+  return axis_size * (padded_rows // tiles.cta_m) * (n // tiles.cta_n) / num_sms
+
+
+def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
+                   num_sms: int) -> MatmulReduceScatterConfig:
+  """The measured-best design on `base_config`'s tiles.
+
+  At D >= 3, `add_all` with each warpgroup's tile staged whole; at D = 2, the
+  staged epilogue past two waves, else `base_config`. Side by side on 4 H100s
+  (benchmarks/NOTES.md, RS v3; results/h100x{2,4}_matmul_reduce_scatter.json,
+  K_shard 4096 / D): at D = 4 staged + add_all took 143 µs against 173 µs
+  for `base_config` (512 rows per device, two waves) and 750 against 790
+  (2048 rows, 13.6 waves); at D = 2 staging cost 2% at two waves and saved
+  4% at 13.6, and add_all cost 6% and 1%.
+  """
+  config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
+  if axis_size >= 3:
+    return staged_epilogue(with_add_all(config))
+  padded = config.padded_rows(rows)
+  if config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize) is None and (
+      _waves(padded, n, config.tiles, axis_size, num_sms) > 2):
+    return staged_epilogue(config)
+  return config
 
 
 def staged_epilogue(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
   """`config` with each warpgroup's tile staged whole in shared memory (one
   epilogue slot of the warpgroup tile), the ring one stage shallower to make
   room, so that the compute warpgroups do not wait for their stores into
-  peers to drain over NVLink (benchmarks/NOTES.md, RS v2: the measured excess
-  over the GEMM is about the partials' NVLink time). Experimental: not yet
-  measured against `config`; a ring of 3 stages also stops it running on
-  across tiles when the K steps are not a multiple of 3."""
+  peers to drain over NVLink (benchmarks/NOTES.md, RS v2). A ring of 3 stages
+  does not run on across tiles when the K steps are not a multiple of 3."""
   t = config.tiles
   tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=t.tile_m,
                               epi_tile_n=t.tile_n, epi_slots=1)
@@ -160,24 +186,25 @@ def staged_epilogue(config: MatmulReduceScatterConfig) -> MatmulReduceScatterCon
 
 def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
   """`config` with the output zeroed first and every partial reduce-added
-  (`MatmulReduceScatterConfig.add_all`; experimental)."""
+  (`MatmulReduceScatterConfig.add_all`)."""
   return dataclasses.replace(config, add_all=True)
 
 
-# The experimental variants of a config, by name (benchmarked and GPU-tested
-# beside the default; not taken by `default_config` until measured faster).
-VARIANTS = {"staged": staged_epilogue, "add_all": with_add_all,
+# The designs on `base_config`'s tiles, by name: benchmarked and GPU-tested
+# side by side with `default_config` (which takes the measured best of the
+# first four).
+VARIANTS = {"plain": lambda config: config, "staged": staged_epilogue, "add_all": with_add_all,
             "staged_add_all": lambda config: staged_epilogue(with_add_all(config)),
             "senders": lambda config: dataclasses.replace(config, senders=_SENDERS),
             "entry": lambda config: dataclasses.replace(config, entry=True)}
 
 
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
-  """Why `config` is experimental (not yet run on GPUs), or None."""
-  for field in ("add_all", "senders", "entry"):
+  """Why `config` is experimental (not faster on GPUs where measured), or None."""
+  for field in ("senders", "entry"):
     if getattr(config, field):
-      return (f"config.{field} is experimental: it lowers and passes the CPU tests, not yet run"
-              " on GPUs.")
+      return (f"config.{field} is experimental: it passes the GPU tests at D = 4 but was"
+              " slower than `default_config` at D = 4 (benchmarks/NOTES.md, RS v4-v5).")
   return None
 
 

@@ -147,17 +147,18 @@ def test_repeated_calls_over_poisoned_memory():
 @pytest.mark.parametrize("variant", list(kernel.VARIANTS))
 @pytest.mark.parametrize("shape", [DEFAULT_SHAPES[0], (8 * 40, 1024, 2560), (2048, 2048, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_experimental_configs_over_poisoned_memory(variant, shape):
-  """The experimental configs (each warpgroup's tile staged whole; the
-  output zeroed first and every partial reduce-added): every device's rows,
+def test_each_design_over_poisoned_memory(variant, shape):
+  """Each design on the base tiles (`kernel.VARIANTS`: the tile staged whole,
+  the output zeroed first and every partial reduce-added, sender blocks, the
+  in-kernel entry): every device's rows,
   3 calls with new data each after a NaN fill of the memory the next output
   takes (a partial added to a stale or unzeroed tile
   shows up as NaN or a wrong value)."""
   mesh = _mesh()
   d = mesh.shape[AXIS]
   m, k_shard, n = shape
-  config = kernel.VARIANTS[variant](kernel.default_config(m // d, k_shard, n, BF16, axis_size=d,
-                                                   num_sms=platform.num_sms()))
+  config = kernel.VARIANTS[variant](kernel.base_config(m // d, k_shard, n, BF16, axis_size=d,
+                                                    num_sms=platform.num_sms()))
   assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config) is None
   f = _fused(mesh, config=config)
   poison = jax.jit(lambda: jnp.full((m, n), jnp.nan, BF16),

@@ -204,11 +204,11 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
 
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_add_all_lowers_for_cuda_without_first_in_waits(d):
-  """add_all (experimental): the zeroing, the local and remote `ready`
-  signals and the reduce-adds of every step lower for CUDA; the later
-  senders' wait for the first sender's store is gone."""
+  """add_all: the zeroing, the local and remote `ready` signals and the
+  reduce-adds of every step lower for CUDA; the later senders' wait for the
+  first sender's store is gone."""
   m, k, n = 128 * d, 1024, 1024
-  config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
+  config = rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
   base, added = (_cuda_module(c, m, k, n, d) for c in (config, rs.with_add_all(config)))
   assert "red.release.gpu" in added and "red.release.gpu" not in base  # the local ready
   assert ("wait_first" in base) == (d > 2) and "wait_first" not in added
@@ -253,8 +253,7 @@ def test_senders_lower_for_cuda(d):
   D > 2, for the first sender's store) and forward them; all of it lowers for
   CUDA, the staging buffer being a second kernel output."""
   m, k, n = 128 * d, 1024, 1024
-  config = rs.VARIANTS["senders"](rs.default_config(m // d, k, n, BF16, axis_size=d,
-                                                     num_sms=132))
+  config = rs.VARIANTS["senders"](rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
   assert config.senders > 0 and rs.unsupported_reason(m // d, k, n, BF16, config) is None
   module = _cuda_module(config, m, k, n, d)
   assert "wait_staged" in module and "red.release.gpu" in module
@@ -266,7 +265,7 @@ def test_entry_meets_the_peers_in_the_kernel(d):
   """entry (experimental): no XLA barrier before the launch; the handshake's
   spin over the D - 1 peers' markers, and the wait for it, lower for CUDA."""
   m, k, n = 128 * d, 1024, 1024
-  config = rs.VARIANTS["entry"](rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  config = rs.VARIANTS["entry"](rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
   assert config.entry and rs.unsupported_reason(m // d, k, n, BF16, config) is None
   module = _cuda_module(config, m, k, n, d)
   assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
@@ -351,10 +350,10 @@ def test_staged_epilogue_partials_match_float64(d, index, tile_n, rows, k, num_s
 @pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (8192, 4096, 7168))],
                          ids=["D2-2048x4096x4096", "D4-8192x4096x7168"])
 def test_staged_epilogue_fits_and_lowers_at_the_benchmark_shapes(d, shape):
-  """The staged config of the default tiles fits in shared memory (the ring
+  """The staged config of the base tiles fits in shared memory (the ring
   one stage shallower) and its exchange lowers for CUDA."""
   m, k, n = shape
-  config = rs.staged_epilogue(rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  config = rs.staged_epilogue(rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
   assert config.tiles.epi_slots == 1 and config.tiles.epi_tile_n == config.tiles.tile_n
   assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
   assert "mosaic_gpu" in _cuda_module(config, m, k, n, d)
