@@ -32,9 +32,10 @@ Semaphores: landed[t, wg] on the owner counts the peers' halves of its tile
 t; first_in[s, t, wg] on the step-s sender says that the step-0 sender's
 half has landed at the owner.
 
-With `config.add_all` (the default at D >= 3), each device first zeroes its own output
-(every block its share of the tiles, before its first tile) and announces
-that to every device (`ready`); then every partial, the peers' and the own,
+With `config.add_all` (the default at D >= 3 past one wave), each device
+first zeroes its own output (every block its share of the tiles, before its
+first tile) and announces that to every device (`ready`); then every partial,
+the peers' and the own,
 is reduce-added, each after the owner's `ready`, so no later sender waits for
 the first one's store (at D > 2 with few waves per step that wait is a whole
 tile: the first sender announces a tile one tile late). The own tiles still
@@ -109,7 +110,7 @@ class MatmulReduceScatterConfig:
       row chunks (see `gemm_core.strip_position`); None: one strip. Must
       divide the row chunks per block.
     add_all: zero the output first and reduce-add every partial (see the
-      module); `default_config` sets it at D >= 3.
+      module); `default_config` sets it at D >= 3 past one wave.
     senders: blocks that only forward the peers' partials, staged by the
       computing blocks (see the module); 0: the computing blocks store into
       the peers themselves. Experimental (`experimental_reason`); not with
@@ -154,20 +155,24 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
                    num_sms: int) -> MatmulReduceScatterConfig:
   """The measured-best design on `base_config`'s tiles.
 
-  At D >= 3, `add_all` with each warpgroup's tile staged whole; at D = 2, the
-  staged epilogue past two waves, else `base_config`. Side by side on 4 H100s
-  (benchmarks/NOTES.md, RS v3; results/h100x{2,4}_matmul_reduce_scatter.json,
-  K_shard 4096 / D): at D = 4 staged + add_all took 143 µs against 173 µs
-  for `base_config` (512 rows per device, two waves) and 750 against 790
-  (2048 rows, 13.6 waves); at D = 2 staging cost 2% at two waves and saved
-  4% at 13.6, and add_all cost 6% and 1%.
+  At D >= 3 past one wave, `add_all` with each warpgroup's tile staged
+  whole; at D = 2 past two waves, the staged epilogue; else `base_config`.
+  Side by side on 4 H100s (benchmarks/NOTES.md, RS v3; results/
+  h100x4_matmul_reduce_scatter*.json, h100x2_..., K_shard 4096 / D): at D = 4
+  staged + add_all took 143 µs against 173 for `base_config` (512 rows per
+  device, 1.9 waves) and 750 against 790 (2048 rows, 13.6 waves), but 94
+  against 90 and 60 against 53 in one wave (256 and 64 rows); at D = 2
+  staging cost 2% at 1.9 waves and saved 4% at 13.6, and add_all cost 6%
+  and 1%.
   """
   config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
-  if axis_size >= 3:
-    return staged_epilogue(with_add_all(config))
   padded = config.padded_rows(rows)
-  if config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize) is None and (
-      _waves(padded, n, config.tiles, axis_size, num_sms) > 2):
+  if config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize) is not None:
+    return config
+  waves = _waves(padded, n, config.tiles, axis_size, num_sms)
+  if axis_size >= 3 and waves > 1:
+    return staged_epilogue(with_add_all(config))
+  if axis_size == 2 and waves > 2:
     return staged_epilogue(config)
   return config
 

@@ -153,6 +153,19 @@ def test_default_config_strips_only_past_two_waves():
   assert rs.default_config(128, 4096, 7168, BF16, axis_size=2, num_sms=132).strip_chunks is None
 
 
+@pytest.mark.parametrize("d,m,design", [
+    (2, 2048, "plain"), (2, 8192, "staged"), (4, 1024, "plain"), (4, 2048, "staged_add_all"),
+    (4, 8192, "staged_add_all"), (8, 8192, "staged_add_all")])
+def test_default_config_takes_the_measured_design(d, m, design):
+  """The design by D and waves (RS v3): at D >= 3 staged + add_all past one
+  wave, at D = 2 staged past two, else plain; each is its `VARIANTS` entry
+  on the base tiles."""
+  rows, k_shard, n = m // d, 4096 // d, 4096
+  config = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
+  base = rs.base_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
+  assert config == rs.VARIANTS[design](base)
+
+
 # --- the exchange lowers for CUDA ---------------------------------------------
 
 

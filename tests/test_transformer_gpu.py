@@ -27,10 +27,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300, method="thread")]
 LAYERS = 2
 # Shapes every kernel tiles at D = 2 and 4: qkv columns per device
 # 8 / D * 4 * 128, FFN 2 * 4096 / D, vocabulary 4096 / D (multiples of 128);
-# B * S / D = 256 or 128 token rows (multiples of 64); cache S_max / D >= 128.
+# B * S / D = 1024 or 512 token rows (multiples of 64, and enough rows per
+# device for "auto" to take the kernels at D = 4); cache S_max / D >= 128.
 CONFIG = transformer.TransformerConfig(hidden=1024, q_heads=16, kv_heads=8, head_dim=128,
                                        ffn=4096, vocab=4096, dtype=jnp.bfloat16)
-BATCH, SEQ = 2, 256
+BATCH, SEQ = 8, 256
 
 
 def _close(got, want, what, rtol=3e-2):
