@@ -315,6 +315,29 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   return {**figures, "info": info}
 
 
+def _out_of_memory(record: dict) -> bool:
+  return record["status"] == "failed" and record["reason"].startswith("out of memory")
+
+
+def _retry_out_of_memory(case: Case, config, holder: dict, mesh, iterations: int,
+                         deadline: float, layers: int, failed: dict) -> dict:
+  """`case` run again once after an out-of-memory failure, with every cached
+  executable and buffer but the parameters freed (the memory check passed, so
+  the failure is the allocator's fragmentation by earlier cases: a 43.7 GiB
+  block did not fit in 51 GiB free, session 24); the parameters are made
+  again if the failed step consumed them. The record says that it retried."""
+  print(f"    {_line(failed)}; freeing cached executables and retrying once", flush=True)
+  jax.clear_caches()
+  gc.collect()
+  if _lost(holder["params"]):
+    holder["params"] = None
+    gc.collect()
+    holder["params"] = _params(config, layers, mesh)
+  record = _run_case(case, config, holder, mesh, iterations, deadline)
+  record["retried"] = "after out of memory: " + failed["reason"].split(" | ")[0][:200]
+  return record
+
+
 def _lost(params) -> bool:
   """Whether parameters must be made: none yet, or some donated and gone."""
   return params is None or (not isinstance(params, Exception) and any(
@@ -503,6 +526,9 @@ def main(argv) -> None:
                       "reason": "parameters: " + _error_text(holder["params"])}
           else:
             record = _run_case(case, config, holder, mesh, iterations, deadline)
+            if _out_of_memory(record):
+              record = _retry_out_of_memory(case, config, holder, mesh, iterations, deadline,
+                                            layers, record)
           record["layers"] = layers
           print(f"    {_line(record)}", flush=True)
           for label, ms in record.get("breakdown_ms", {}).items():

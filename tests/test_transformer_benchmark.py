@@ -5,6 +5,7 @@ the README's table."""
 import json
 
 from absl import flags
+import jax
 import pytest
 
 from benchmarks import model_table
@@ -58,3 +59,35 @@ def test_kernel_names_fall_into_categories():
       "attention (cudnn)")
   assert bench.category("loop_dynamic_update_slice_fusion") == "copy, slice, transpose"
   assert bench.category("loop_multiply_fusion") == bench.OTHER
+
+
+def test_a_step_out_of_memory_is_retried_once_with_fresh_parameters(tmp_path, monkeypatch):
+  """A training step that fails for memory (after consuming the donated
+  parameters) runs once more, on new parameters; the record says so. A
+  second failure stands."""
+  real_run, calls = bench._run_case, []
+
+  def flaky(case, config, holder, mesh, iterations, deadline):
+    calls.append(case.key)
+    if case.key.endswith("/train/b2_s64/fused") and calls.count(case.key) == 1:
+      for a in jax.tree.leaves(holder["params"]):
+        a.delete()  # as a donating step that failed leaves them
+      return {"key": case.key, "status": "failed",
+              "reason": "out of memory: JaxRuntimeError: RESOURCE_EXHAUSTED | trace"}
+    if case.key.endswith("/train/b2_s64/bsp"):
+      return {"key": case.key, "status": "failed", "reason": "out of memory: again | trace"}
+    return real_run(case, config, holder, mesh, iterations, deadline)
+
+  monkeypatch.setattr(bench, "_run_case", flaky)
+  flags.FLAGS(["bench", "--quick", "--axis_sizes=2", "--model_layers=1", "--iterations=1",
+               "--steps=train", f"--out_dir={tmp_path}"])
+  try:
+    bench.main(None)
+  finally:
+    flags.FLAGS.unparse_flags()
+  records = {r["key"]: r for r in json.loads(
+      (tmp_path / "cpux8_transformer.json").read_text())["records"]}
+  fused, bsp = records["tiny/D2/train/b2_s64/fused"], records["tiny/D2/train/b2_s64/bsp"]
+  assert fused["status"] == "ok" and fused["retried"].startswith("after out of memory")
+  assert bsp["status"] == "failed" and bsp["retried"] == "after out of memory: out of memory: again"
+  assert calls.count("tiny/D2/train/b2_s64/fused") == calls.count("tiny/D2/train/b2_s64/bsp") == 2
