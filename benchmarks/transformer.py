@@ -293,21 +293,24 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
     figures, (holder["params"], _, _) = _time_threaded(
         compiled, (params, tokens(), tokens()), lambda a, out: (out[0], *a[1:]), iterations, d)
     return {**figures, "info": info}
-  specs = transformer.cache_specs(AXIS)
-  shape = (layers, b, s, config.kv_heads, config.head_dim)
+  specs = transformer.cache_specs(AXIS, layers)
+  shape = (b, s, config.kv_heads, config.head_dim)  # per layer
+  per_layer = lambda layer_specs: tuple(
+      jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, spec))
+      for spec in layer_specs)
   cache_abstract = transformer.KVCache(
-      jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, specs.k)),
-      jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, specs.v)),
+      per_layer(specs.k), per_layer(specs.v),
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl, **common),
                donate_argnums=(2,))
   compiled = fn.lower(abstract_params, jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec),
                       cache_abstract).compile()
-  cache_bytes = 2 * int(np.prod(shape)) * jnp.dtype(config.dtype).itemsize // d
+  cache_bytes = 2 * layers * int(np.prod(shape)) * jnp.dtype(config.dtype).itemsize // d
   info["memory"] = _check_memory(compiled, cache_bytes)
   make_cache = jax.jit(
-      lambda: transformer.KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype),
-                                  jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
+      lambda: transformer.KVCache(
+          *(tuple(jnp.zeros(shape, config.dtype) for _ in range(layers)) for _ in "kv"),
+          jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
       out_shardings=jax.tree.map(lambda a: a.sharding, cache_abstract))
   new_tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
   figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()),

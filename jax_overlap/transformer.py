@@ -29,7 +29,8 @@ SwiGLU with gate and up in one matmul):
     y = h + (silu(g) * u) @ w_down
 
 The model: x = embed[tokens], the layers (stacked over a leading axis L and run
-under `lax.scan`), logits = rms_norm(x) * norm_final @ w_head.
+under `lax.scan`; a decode step unrolls them, each layer's KV cache being its
+own buffer: see `KVCache`), logits = rms_norm(x) * norm_final @ w_head.
 
 Parameter layouts do not depend on D (any D that divides the head and FFN
 counts takes the same arrays): w_qkv is [L, H, Hkv, G + 2, Dh] (per KV head:
@@ -139,12 +140,17 @@ MODELS = {
 class KVCache(NamedTuple):
   """The decode state (a pytree).
 
-  k, v: [L, B, S_max, Hkv, Dh], positions sharded over the axis
-    (`cache_specs`); positions >= lengths[b] hold nothing valid.
+  k, v: one [B, S_max, Hkv, Dh] array per layer (tuples of L), positions
+    sharded over the axis (`cache_specs`); positions >= lengths[b] hold
+    nothing valid. One buffer per layer, so that a decode step hands each
+    layer's cache to the attention kernel as it is: a slice of a stacked
+    [L, ...] cache would be copied for the kernel in every layer of every
+    step (two thirds of a decode step's HBM traffic; benchmarks/NOTES.md,
+    model v3).
   lengths: [B] int32, tokens cached per sequence (replicated).
   """
-  k: jax.Array
-  v: jax.Array
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   lengths: jax.Array
 
 
@@ -186,17 +192,17 @@ def param_specs(axis_name: str) -> dict:
                      "w_down": P(None, axis_name, None)}}
 
 
-def cache_specs(axis_name: str) -> KVCache:
-  """The PartitionSpecs of a KVCache: positions over the axis."""
-  kv = P(None, None, axis_name, None, None)
+def cache_specs(axis_name: str, layers: int) -> KVCache:
+  """The PartitionSpecs of a KVCache of `layers` layers: positions over the axis."""
+  kv = (P(None, axis_name, None, None),) * layers
   return KVCache(kv, kv, P())
 
 
 def empty_cache(config: TransformerConfig, layers: int, batch: int, cache_len: int) -> KVCache:
   """A KVCache of zeros holding no tokens (global; place it as `cache_specs`)."""
-  shape = (layers, batch, cache_len, config.kv_heads, config.head_dim)
-  return KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype),
-                 jnp.zeros((batch,), jnp.int32))
+  zeros = lambda: tuple(jnp.zeros((batch, cache_len, config.kv_heads, config.head_dim),
+                                  config.dtype) for _ in range(layers))
+  return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
 
 
 # ----------------------------------------------------------------------------
@@ -487,12 +493,13 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
     x, (k, v) = _layers(params, tokens, ops, keep_kv=True)
     me = lax.axis_index(axis_name)
 
-    def my_positions(a):  # [L, B, S, Hkv / D, Dh] -> [L, B, S_max / D, Hkv, Dh]
-      """From head shards to position shards: padded to S_max, then each
-      device sends each peer that peer's positions of its heads (1 / D of
-      what an all-gather of the heads would move)."""
+    def my_positions(a):  # [L, B, S, Hkv / D, Dh] -> L x [B, S_max / D, Hkv, Dh]
+      """From head shards to position shards, one buffer per layer: padded
+      to S_max, then each device sends each peer that peer's positions of
+      its heads (1 / D of what an all-gather of the heads would move)."""
       a = jnp.pad(a, ((0, 0), (0, 0), (0, cache_len - s), (0, 0), (0, 0)))
-      return lax.all_to_all(a, axis_name, split_axis=2, concat_axis=3, tiled=True)
+      a = lax.all_to_all(a, axis_name, split_axis=2, concat_axis=3, tiled=True)
+      return tuple(a[layer] for layer in range(a.shape[0]))
 
     # Each prompt's last row: found on the device holding it, summed from there.
     rows = x.shape[0]
@@ -504,7 +511,7 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
                      preferred_element_type=_F32)
     return logits, my_positions(k), my_positions(v)
 
-  kv = cache_specs(axis_name).k
+  kv = cache_specs(axis_name, params["layers"]["w_o"].shape[0]).k
   logits, k, v = sharded.shard_map_args(
       body, mesh, (param_specs(axis_name), P(), P()), (P(None, axis_name), kv, kv),
       params, tokens, lengths.astype(jnp.int32))
@@ -518,8 +525,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
   Args:
     params: as for `loss`.
     tokens: [B] int32, each sequence's next token (replicated); B a multiple of D.
-    cache: a KVCache (`prefill`'s, or `empty_cache`), sharded as `cache_specs`;
-      every length must be < S_max.
+    cache: a KVCache (`prefill`'s, or `empty_cache`) of the model's layers,
+      sharded as `cache_specs`; every length must be < S_max.
     config, axis_name, mesh, impl: as for `loss`.
     decode_impl: `flash_decode`'s impl; None: `decode_impl_for(impl)`.
 
@@ -531,15 +538,21 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]
-  if tokens.ndim != 1 or b % d or cache.k.shape[2] % d:
+  layers = params["layers"]["w_o"].shape[0]
+  if len(cache.k) != layers or len(cache.v) != layers:
+    raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"
+                     f" {len(cache.k)} and {len(cache.v)}; make it with `prefill` or"
+                     " `empty_cache`.")
+  s_max = cache.k[0].shape[1]
+  if tokens.ndim != 1 or b % d or s_max % d:
     raise ValueError(f"tokens: expected [B] with B a multiple of the axis size {d}, and the"
-                     f" cache's S_max = {cache.k.shape[2]} a multiple of {d}; got tokens"
+                     f" cache's S_max = {s_max} a multiple of {d}; got tokens"
                      f" {tuple(tokens.shape)}.")
   c = config
 
   def body(params, tokens, k_cache, v_cache, lengths):
     me = lax.axis_index(axis_name)
-    s_shard = k_cache.shape[2]
+    s_shard = k_cache[0].shape[1]
     # Where the new token goes on this device (S_shard: not here, dropped).
     slot = lengths - me * s_shard
     slot = jnp.where((slot >= 0) & (slot < s_shard), slot, s_shard)
@@ -552,28 +565,30 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       bounds = list(itertools.accumulate(part.shape[1] for part in parts))[:-1]
       return [a.reshape(b, -1, a.shape[-1]) for a in jnp.split(whole, bounds, axis=2)]
 
-    def layer(carry, args):
-      x, k_cache, v_cache = carry
-      p, l = args
+    def layer(x, p, k_cache, v_cache):
       q, k, v = everywhere(*_qkv(x, p, ops, lengths))
-      # The cache holds every head of its positions (in place: the carry).
-      k_cache = k_cache.at[l, batch, slot].set(k, mode="drop")
-      v_cache = v_cache.at[l, batch, slot].set(v, mode="drop")
-      o = flash_decode(q, k_cache[l], v_cache[l], axis_name=axis_name,
+      # The cache holds every head of its positions (in place, when donated).
+      k_cache = k_cache.at[batch, slot].set(k, mode="drop")
+      v_cache = v_cache.at[batch, slot].set(v, mode="drop")
+      o = flash_decode(q, k_cache, v_cache, axis_name=axis_name,
                        kv_lens=lengths + 1, impl=ops.decode_impl)
       heads = c.q_heads // d
       mine = lax.dynamic_slice_in_dim(o, me * heads, heads, 1)  # this device's heads
       x = x + ops.mrs(mine.reshape(b, -1), p["w_o"])
-      return (_mlp(x, p, ops), k_cache, v_cache), None
+      return _mlp(x, p, ops), k_cache, v_cache
 
+    # The layers unrolled, not scanned: each layer's cache is its own buffer.
     x = _embed(tokens, params["embed"], axis_name)
-    layers = params["layers"]["w_o"].shape[0]
-    (x, k_cache, v_cache), _ = lax.scan(layer, (x, k_cache, v_cache),
-                                        (params["layers"], jnp.arange(layers)))
+    k_out, v_out = [], []
+    for i in range(layers):
+      x, k_i, v_i = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]),
+                          k_cache[i], v_cache[i])
+      k_out.append(k_i)
+      v_out.append(v_i)
     logits = ops.ag(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
-    return logits.astype(_F32), k_cache, v_cache
+    return logits.astype(_F32), tuple(k_out), tuple(v_out)
 
-  specs = cache_specs(axis_name)
+  specs = cache_specs(axis_name, layers)
   logits, k, v = sharded.shard_map_args(
       body, mesh, (param_specs(axis_name), P(), specs.k, specs.v, P()),
       (P(None, axis_name), specs.k, specs.v), params, tokens, cache.k, cache.v, cache.lengths)

@@ -161,7 +161,9 @@ def test_prefill_and_decode_steps_match_the_reference(d, impl):
     step = jax.jit(functools.partial(transformer.decode_step, **common), donate_argnums=2)
     logits, cache = prefill(params, testkit.put(mesh, prompts, P()),
                             testkit.put(mesh, lengths, P()))
-    assert cache.k.shape == (LAYERS, batch, cache_len, CONFIG.kv_heads, CONFIG.head_dim)
+    assert len(cache.k) == len(cache.v) == LAYERS
+    for a in (*cache.k, *cache.v):
+      assert a.shape == (batch, cache_len, CONFIG.kv_heads, CONFIG.head_dim)
     _close(logits, want[np.arange(batch), lengths - 1], "prefill logits")
     for t in range(steps):
       logits, cache = step(params, testkit.put(mesh, text[:, seq + t], P()), cache)
@@ -177,11 +179,13 @@ def test_decode_from_an_empty_cache_matches_the_reference():
   text = gen.integers(0, CONFIG.vocab, (batch, seq)).astype(np.int32)
   want = np.asarray(ref.logits(text))
   empty = transformer.empty_cache(CONFIG, LAYERS, batch, 8)
-  garbage = 100 * gen.standard_normal(empty.k.shape).astype(np.float32)
-  specs = transformer.cache_specs(AXIS)
+  garbage = tuple(100 * gen.standard_normal(a.shape).astype(np.float32) for a in empty.k)
+  specs = transformer.cache_specs(AXIS, LAYERS)
   with jax.set_mesh(mesh):
-    cache = transformer.KVCache(*(testkit.put(mesh, a, s) for a, s in
-                                  zip((garbage, -garbage, empty.lengths), specs)))
+    put = lambda arrays, layer_specs: tuple(map(functools.partial(testkit.put, mesh), arrays,
+                                                layer_specs))
+    cache = transformer.KVCache(put(garbage, specs.k), put(tuple(-g for g in garbage), specs.v),
+                                testkit.put(mesh, empty.lengths, specs.lengths))
     step = jax.jit(functools.partial(transformer.decode_step, config=CONFIG, axis_name=AXIS))
     for t in range(seq):
       logits, cache = step(params, testkit.put(mesh, text[:, t], P()), cache)
@@ -211,7 +215,7 @@ def test_prefill_in_bfloat16():
     logits, cache = jax.jit(functools.partial(
         transformer.prefill, cache_len=8, config=config, axis_name=AXIS))(
             params, testkit.put(mesh, tokens, P()))
-  assert cache.k.dtype == jnp.bfloat16
+  assert all(a.dtype == jnp.bfloat16 for a in (*cache.k, *cache.v))
   _close(logits, np.asarray(ref.logits(tokens))[:, -1], "bf16 logits", rtol=5e-2)
 
 
