@@ -146,7 +146,7 @@ class KVCache(NamedTuple):
     layer's cache to the attention kernel as it is: a slice of a stacked
     [L, ...] cache would be copied for the kernel in every layer of every
     step (two thirds of a decode step's HBM traffic; benchmarks/NOTES.md,
-    model v3).
+    model v4).
   lengths: [B] int32, tokens cached per sequence (replicated).
   """
   k: tuple[jax.Array, ...]

@@ -35,11 +35,11 @@ half has landed at the owner.
 With `config.add_all` (the default at D >= 3 past one wave), each device
 first zeroes its own output (every block its share of the tiles, before its
 first tile) and announces that to every device (`ready`); then every partial,
-the peers' and the own,
-is reduce-added, each after the owner's `ready`, so no later sender waits for
-the first one's store (at D > 2 with few waves per step that wait is a whole
-tile: the first sender announces a tile one tile late). The own tiles still
-wait for the D - 1 peers' partials, so that the output is complete on exit.
+the peers' and the own, is reduce-added, each after the owner's `ready`, so
+no later sender waits for the first one's store (at D > 2 with few waves per
+step that wait is a whole tile: the first sender announces a tile one tile
+late). The own tiles still wait for the D - 1 peers' partials, so that the
+output is complete on exit.
 
 With `config.senders` = S > 0 (experimental), no computing SM stores into a
 peer: the tiles of peer steps store their partials into a local staging
