@@ -3,7 +3,10 @@ fallbacks wherever a fused kernel does not apply.
 
 All functions here are per shard: they run inside `jax.shard_map` with
 `axis_name` bound, take already-validated arguments, accumulate in float32 and
-are differentiable with `jax.grad`.
+are differentiable with `jax.grad`. A matmul's product comes out of the dot in
+its exchange dtype (XLA accumulates a bf16 or fp16 dot in float32 and rounds
+once), not as float32 converted afterwards: the convert's transpose would make
+the backward pass's dots float32 (TF32 GEMMs on GPUs, 2-3x slower than bf16).
 
 - BSP ("bulk synchronous"): the collective, then the compute.
 - ring: D steps of `lax.ppermute` around the axis, each overlapping one chunk's
@@ -16,10 +19,6 @@ from jax import lax
 _F32 = jnp.float32
 
 
-def _dot(x, w):
-  return jnp.dot(x, w, preferred_element_type=_F32)
-
-
 def _shift_right(x, axis_name, d):
   """Sends this device's `x` to the next device along the axis (i -> i+1)."""
   return lax.ppermute(x, axis_name, [(j, (j + 1) % d) for j in range(d)])
@@ -29,7 +28,7 @@ def _shift_right(x, axis_name, d):
 
 def all_gather_matmul_bsp(x, w, axis_name, return_gathered=False):
   gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-  out = _dot(gathered, w).astype(x.dtype)
+  out = jnp.dot(gathered, w, preferred_element_type=x.dtype)
   return (out, gathered) if return_gathered else out
 
 
@@ -43,7 +42,8 @@ def all_gather_matmul_ring(x, w, axis_name, return_gathered=False):
   for step in range(d):
     # After `step` shifts this device holds the shard of device me - step.
     row = ((me - step) % d) * m
-    out = lax.dynamic_update_slice_in_dim(out, _dot(chunk, w).astype(x.dtype), row, 0)
+    out = lax.dynamic_update_slice_in_dim(
+        out, jnp.dot(chunk, w, preferred_element_type=x.dtype), row, 0)
     if return_gathered:
       gathered = lax.dynamic_update_slice_in_dim(gathered, chunk, row, 0)
     if step < d - 1:
@@ -56,8 +56,6 @@ def all_gather_matmul_ring(x, w, axis_name, return_gathered=False):
 # in x's dtype (each device's float32 product rounded once first).
 
 def matmul_reduce_scatter_bsp(x, w, axis_name, reduce_in_float32=False):
-  # The dot rounds its float32 accumulator to the exchange dtype itself (no
-  # separate convert kernel).
   partial = jnp.dot(x, w, preferred_element_type=_F32 if reduce_in_float32 else x.dtype)
   return lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True).astype(x.dtype)
 
@@ -69,7 +67,8 @@ def matmul_reduce_scatter_ring(x, w, axis_name, reduce_in_float32=False):
   exchange = _F32 if reduce_in_float32 else x.dtype
 
   def partial(chunk):
-    return _dot(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w).astype(exchange)
+    return jnp.dot(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w,
+                   preferred_element_type=exchange)
 
   # At step s this device adds its part of chunk (me - s - 1) mod D to the
   # running sum received from its left neighbour; after D - 1 shifts the sum

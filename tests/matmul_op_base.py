@@ -90,3 +90,22 @@ class MatmulOpTests:
     x, w, xs, ws = self.inputs(mesh, 2, *self.MESH_ARG_DIMS, jnp.float32)
     out = jax.jit(functools.partial(type(self).SHARDED, axis_name=AXIS, mesh=mesh))(xs, ws)
     reference.assert_close(out, reference.matmul(x, w), jnp.float32)
+
+  @pytest.mark.parametrize("impl", ("xla_bsp", "xla_ring"))
+  def test_bf16_gradients_run_bf16_dots(self, impl):
+    """Forward and backward, every dot of a bf16 op takes bf16 operands, as a
+    user's own bf16 `jnp.dot` does: a float32 product converted afterwards
+    would turn the backward pass's dots into float32 (TF32) GEMMs."""
+    d = 2
+    mesh = testkit.mesh_1d(d)
+    x, w, xs, ws = self.inputs(mesh, d, *self.wrapper_dims(d), jnp.bfloat16, "grad dots")
+    op = functools.partial(type(self).OP, axis_name=AXIS, impl=impl)
+    f = jax.shard_map(op, mesh=mesh, in_specs=(self.X_SPEC, self.W_SPEC),
+                      out_specs=self.OUT_SPEC)
+    loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(xs, ws).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) >= 3, dots  # the forward product and both gradients
+    for line in dots:
+      operands = line.split(" : (", 1)[1].split(") -> ", 1)[0]
+      assert "f32" not in operands, line
