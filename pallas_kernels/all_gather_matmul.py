@@ -91,11 +91,12 @@ _MIN_PUSHERS = 32
 # with 32; AG v12).
 _MIN_IDLE_PUSHERS = 8
 _MAX_IDLE_PUSHERS = 12
-# At D >= 3, "ring" from this many rows per device (4x H100, side by side,
-# AG v19: 197 µs against 235 for "push" at 256 rows, 1024 x 4096 x 4096,
-# one wave; 2609 against 2857 at 1024 rows, 4096 x 8192 x 7168). Fewer rows
-# were not timed with it.
-_RING_MIN_ROWS = 256
+# At D >= 3, "ring" from this many rows per device: 4x H100, side by side
+# (AG v19-v20 measured), 197 µs against 235 for "forward" at 1024 rows
+# (1024 x 4096 x 4096 per shard, 3.9 waves) and 2609 against 2857 at 4096
+# (4096 x 8192 x 7168, 27 waves). Fewer rows were not timed with it, and v19
+# expects it slower where a step is not a whole number of waves.
+_RING_MIN_ROWS = 1024
 # Pieces of each row chunk in the first group that a remote tile of the
 # "push" send waits for (2 x 256 columns: 8 K steps of 64).
 _FIRST_GROUP_PIECES = 2
@@ -174,7 +175,7 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   """A config that fits the shape (the default one if none does).
 
   Tiles: `gemm_core.choose_tiles` over the D steps.
-  Send: at D >= 3 with at least 256 rows per device, "ring"; else "push"
+  Send: at D >= 3 with at least 1024 rows per device, "ring"; else "push"
   for one wave (by up to 12 of the SMs without a tile if there are 8 or more
   of them, else by all blocks), or two waves with many idle blocks; else
   "forward". The tiles run in strips of row chunks past two waves

@@ -158,7 +158,7 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   At D >= 3 past one wave, `add_all` with each warpgroup's tile staged
   whole; at D = 2 past two waves, the staged epilogue; else `base_config`.
   Side by side on 4 H100s (benchmarks/NOTES.md, RS v3; results/
-  h100x4_matmul_reduce_scatter*.json, h100x2_..., K_shard 4096 / D): at D = 4
+  h100x4_matmul_reduce_scatter*.json, h100x2_..., K_shard 4096): at D = 4
   staged + add_all took 143 µs against 173 for `base_config` (512 rows per
   device, 1.9 waves) and 750 against 790 (2048 rows, 13.6 waves), but 94
   against 90 and 60 against 53 in one wave (256 and 64 rows); at D = 2

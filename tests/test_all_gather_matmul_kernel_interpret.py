@@ -428,7 +428,7 @@ def test_default_config_is_supported(m, k, n, dtype):
     assert isinstance(config, agm.AllGatherMatmulConfig)
     assert agm.unsupported_reason(m, k, n, dtype, config) is None, (axis_size, config)
     assert config.tiles.smem_bytes(jnp.dtype(dtype).itemsize) <= gemm_core.SMEM_BYTES
-    # The documented send heuristic: at D >= 3 from 256 rows, ring; else one
+    # The documented send heuristic: at D >= 3 from 1024 rows, ring; else one
     # wave of tiles pushes, from up to 12 of the tile-less SMs if there are
     # >= 8, else from all blocks; forward beyond two waves; in between, push
     # by >= 32 blocks with a tile fewer, else forward. Strips past two waves.
@@ -437,7 +437,7 @@ def test_default_config_is_supported(m, k, n, dtype):
     idle = (_NUM_SMS - total % _NUM_SMS) % _NUM_SMS
     m_chunks = m // t.cta_m
     strip = max(c for c in range(1, 9) if m_chunks % c == 0)
-    if axis_size >= 3 and m >= 256:
+    if axis_size >= 3 and m >= 1024:
       want = ("ring", strip if total > 2 * _NUM_SMS else None)
       assert (config.send, config.strip_chunks) == want, (axis_size, total, config)
     elif total <= _NUM_SMS:
