@@ -9,7 +9,8 @@
 #
 # OP: rs (matmul_reduce_scatter, `rs_kernel.VARIANTS`) or ag
 # (all_gather_matmul, the send designs). BUDGET: seconds for everything
-# (default 570); TT: the time limit of one design's tests; D2=1: also at
+# (default 570); TT: the time limit of one design's tests; DESIGNS: the
+# designs to test and time (default: all, space-separated); D2=1: also at
 # D = 2 on GPUs 0 and 1; EXTRA: more benchmark flags. Output: $OUT/log.txt
 # (every step's output), the benchmarks' JSON and charts in $OUT
 # (default ./bench_out). Session 24 ran it for both ops in two calls.
@@ -34,9 +35,11 @@ case "${OP:-}" in
   rs)
     TESTS=tests/test_matmul_reduce_scatter_gpu.py; BENCH=benchmarks.matmul_reduce_scatter
     TT=${TT:-70}; PRE="each_design and "
-    declare -A K=([plain]="plain" [staged]="staged and not add_all" [add_all]="add_all and not staged"
-                  [staged_add_all]="staged_add_all" [senders]="senders" [entry]="entry")
-    ORDER="plain staged add_all staged_add_all senders entry"
+    declare -A K=([plain]="plain" [staged]="staged and not add_all"
+                  [add_all]="add_all and not staged and not drip" [staged_add_all]="staged_add_all"
+                  [senders]="senders" [entry]="entry" [drip]="drip and not add_all"
+                  [drip_add_all]="drip_add_all")
+    ORDER="plain staged add_all staged_add_all senders entry drip drip_add_all"
     BASE="pallas,user_bsp,gemm_alone,reduce_scatter_alone";;
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul
@@ -48,7 +51,7 @@ case "${OP:-}" in
   *) echo "OP must be rs or ag" >&2; exit 2;;
 esac
 passed=()
-for v in $ORDER; do
+for v in ${DESIGNS:-$ORDER}; do
   step "test_$v" "$TT" python3 -m pytest -m gpu -x -q -p no:cacheprovider "$TESTS" -k "$PRE${K[$v]}" \
     && passed+=("pallas_$v")
 done

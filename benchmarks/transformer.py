@@ -42,6 +42,7 @@ import datetime
 import functools
 import gc
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -478,6 +479,10 @@ def main(argv) -> None:
   del argv
   start = time.monotonic()
   deadline = start + _TIME_BUDGET_S.value
+  # Before the first device use: the D = 2 training step (70b-like) needs one
+  # ~44 GiB block, which JAX's default pool (75% of an 80 GB GPU), fragmented
+  # by the cases before it, could not place (sessions 24-25).
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   on_gpu = harness.cupti_available()
   if on_gpu and "train" in _STEPS.value:
     # jax 0.11.2's Shardy partitioner crashes XLA's compiler on the training
@@ -537,12 +542,23 @@ def main(argv) -> None:
           for label, ms in record.get("breakdown_ms", {}).items():
             print(f"      {ms:9.3f} ms  {label}", flush=True)
           records.append(record)
+          # Written after every case: a run cut off by a time limit keeps them.
+          _write_json(records, everything, pallas, layers, iterations)
       del holder
       gc.collect()
-  _emit(records, everything, device, pallas, layers, iterations)
+  path, kept, all_records = _write_json(records, everything, pallas, layers, iterations)
+  print()
+  print(f"jax_overlap.transformer on {device}: per step, per device, ms (c = CUPTI,"
+        " d = dispatch); speedup = bsp / fused")
+  print("\n".join(table(records)))
+  print(f"\nJSON: {path} ({len(records)} records from this run, {len(kept)} kept)")
+  print(_chart(all_records, path.with_suffix(".png"), device))
 
 
-def _emit(records, mesh, device: str, pallas, layers: int, iterations: int) -> None:
+def _write_json(records, mesh, pallas, layers: int, iterations: int):
+  """Writes this run's records, and the earlier runs' of other cases (unless
+  --fresh), to <out_dir>/<device tag>_transformer.json. Returns (path, the
+  earlier records kept, all records)."""
   out_dir = pathlib.Path(flags.FLAGS.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{spmd.device_tag(mesh)}_transformer.json"
@@ -551,10 +567,6 @@ def _emit(records, mesh, device: str, pallas, layers: int, iterations: int) -> N
     new = {r["key"] for r in records}
     kept = [r for r in json.loads(path.read_text()).get("records", []) if r["key"] not in new]
   all_records = sorted(kept + records, key=lambda r: r["key"])
-  print()
-  print(f"jax_overlap.transformer on {device}: per step, per device, ms (c = CUPTI,"
-        " d = dispatch); speedup = bsp / fused")
-  print("\n".join(table(records)))
   payload = {
       "benchmark": "transformer", "device_kind": mesh.devices.flat[0].device_kind,
       "platform": mesh.devices.flat[0].platform, "devices": mesh.size,
@@ -569,8 +581,7 @@ def _emit(records, mesh, device: str, pallas, layers: int, iterations: int) -> N
                   " category."),
       "records": all_records}
   path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-  print(f"\nJSON: {path} ({len(records)} records from this run, {len(kept)} kept)")
-  print(_chart(all_records, path.with_suffix(".png"), device))
+  return path, kept, all_records
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ Kernels drive the core tile by tile from their own schedules, and can hook into
 it: `send_a` TMA-stores chosen A tiles from shared memory while the wgmma reads
 them (e.g. to forward them to a peer with no extra HBM read; the stage is
 released once the stores have read it, one step later, so the compute
-warpgroup does not stall on them), `after_k()` runs in the compute warpgroups
-once the tile's K loop is done, `after_store()` once they have issued the
-tile's stores, and `before_load(k_idx)` runs in the memory
+warpgroup does not stall on them), `during_k(k_idx)` runs in the compute
+warpgroups at every K step while its wgmma runs (e.g. to issue the previous
+tile's staged stores a granule at a time: `store_staged_granule`),
+`after_k()` once the tile's K loop is done, `after_store()` once they have
+issued the tile's stores, and `before_load(k_idx)` runs in the memory
 warpgroup just before it issues step k_idx's loads (e.g. to wait for a peer's
 rows to arrive without stalling the compute warpgroups on the steps before
 them).
@@ -202,6 +204,18 @@ class TileStore:
   reduction: Literal["add"] | None = None
 
 
+def _store_out(smem, store: TileStore, dst, *, commit_group: bool) -> None:
+  """TMA-stores (or reduce-stores) `smem` into `dst` if `store.when` holds.
+  The condition is a branch, not the copy's predicate, which the Mosaic GPU
+  interpreter does not run."""
+  copy = lambda: plgpu.copy_smem_to_gmem(smem, dst, commit_group=commit_group,
+                                         reduction_op=store.reduction)
+  if store.when is None:
+    copy()
+  else:
+    pl.when(store.when)(copy)
+
+
 def _smem_transforms(minor_elems: int, dtype) -> tuple:
   swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
   return (
@@ -323,6 +337,7 @@ class TileMatmul:
       first=None,
       last=None,
       after_store: Callable | None = None,
+      during_k: Callable | None = None,
   ) -> None:
     """Computes out_tile = a_rows @ b_cols.
 
@@ -346,6 +361,8 @@ class TileMatmul:
         call of a block must then get them, in order.
       after_store: called by both compute warpgroups once they have issued
         the tile's stores (e.g. to await and announce them).
+      during_k: called as during_k(k_idx) by both compute warpgroups at every
+        K step, after issuing the step's wgmma and before awaiting it.
     """
     t = self.tiles
     wg = lax.axis_index(WG_AXIS)
@@ -358,6 +375,8 @@ class TileMatmul:
     def mma(idxs, a_smem, b_smem, *consumed_and_acc):
       *consumed, acc = consumed_and_acc
       plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+      if during_k is not None:
+        during_k(idxs[0])
       if not self.sends_a:
         plgpu.wgmma_wait(0)
         return acc
@@ -424,13 +443,39 @@ class TileMatmul:
     with jax.named_scope("epilogue"):
       self._store_granules(result, stores, wg_slice, smem)
 
+  def _granules(self) -> list[tuple[slice, slice]]:
+    """(rows, cols) of each epilogue granule of a warpgroup tile, in order."""
+    t = self.tiles
+    return [(slice(gm * t.epi_tile_m, (gm + 1) * t.epi_tile_m),
+             slice(gn * t.epi_tile_n, (gn + 1) * t.epi_tile_n))
+            for gm, gn in itertools.product(range(t.tile_m // t.epi_tile_m),
+                                            range(t.tile_n // t.epi_tile_n))]
+
+  @property
+  def num_granules(self) -> int:
+    """Epilogue granules per warpgroup tile."""
+    return len(self._granules())
+
+  def store_staged_granule(self, scratch, g: int, stores) -> None:
+    """Issues the stores of granule `g` of the warpgroup's last tile, left in
+    shared memory by an epilogue none of whose stores ran (one slot per
+    granule: epi_slots == num_granules), as one bulk group. `stores`:
+    `TileStore`s of [cta_m, cta_n] refs. Called by a compute warpgroup before
+    its next epilogue, which waits for these stores to read their slots."""
+    if self.tiles.epi_slots != self.num_granules:
+      raise ValueError(f"staged granules need epi_slots == {self.num_granules} (one slot per"
+                       f" granule), got {self.tiles.epi_slots}.")
+    wg = lax.axis_index(WG_AXIS)
+    rows, cols = self._granules()[g]
+    for store in stores:
+      _store_out(scratch["out_smem"].at[wg, g], store,
+                 store.ref.at[self.warpgroup_part(wg)].at[rows, cols], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+
   def _store_granules(self, result, stores, wg_slice, smem) -> None:
     t = self.tiles
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    granules = itertools.product(range(t.tile_m // t.epi_tile_m), range(t.tile_n // t.epi_tile_n))
-    for i, (gm, gn) in enumerate(granules):
-      rows = slice(gm * t.epi_tile_m, (gm + 1) * t.epi_tile_m)
-      cols = slice(gn * t.epi_tile_n, (gn + 1) * t.epi_tile_n)
+    for i, (rows, cols) in enumerate(self._granules()):
       slot = i % t.epi_slots
       plgpu.wait_smem_to_gmem(t.epi_slots - 1, wait_read_only=True)
       smem[slot] = result[rows, cols]
@@ -438,9 +483,8 @@ class TileMatmul:
       # Each granule is one bulk group, whichever stores ran.
       single = len(stores) == 1 and stores[0].when is None
       for store in stores:
-        plgpu.copy_smem_to_gmem(smem.at[slot], store.ref.at[wg_slice].at[rows, cols],
-                                predicate=store.when, commit_group=single,
-                                reduction_op=store.reduction)
+        _store_out(smem.at[slot], store, store.ref.at[wg_slice].at[rows, cols],
+                   commit_group=single)
       if not single:
         plgpu.commit_smem_to_gmem_group()
 
@@ -464,8 +508,7 @@ def relay_tile(src, stores, slots, loaded, granule: tuple[int, int]) -> None:
   for i, at in enumerate(granules):
     plgpu.barrier_wait(loaded.at[i % n])
     for store in stores:
-      plgpu.copy_smem_to_gmem(slots[i % n], store.ref.at[at], predicate=store.when,
-                              commit_group=False, reduction_op=store.reduction)
+      _store_out(slots[i % n], store, store.ref.at[at], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     if i + ahead < len(granules):
       # Granule i + ahead goes where granule i - 1 was: its stores have read it.

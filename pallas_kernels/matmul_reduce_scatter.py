@@ -50,6 +50,17 @@ with the same stores, reduce-stores and signals as above (benchmarks/
 NOTES.md, RS hypothesis H4: a TMA store into a peer holds its SM's TMA
 queue at the link's pace, and the next tile's loads wait behind it).
 
+With `config.drip` (experimental), a peer tile's epilogue only stages the
+tile in shared memory, one slot per granule, and its stores into the owner
+leave a granule at a time during the block's next K loop, each block at its
+own phase (`_drip_steps`); a block's last tile sends its granules after the
+loop. The waves are synchronized, so a tile's stores otherwise leave every SM
+at once, at the SM's share of the link, and the next tile's TMA loads queue
+behind them (RS hypothesis H4, confirmed by the D = 4 profile: the tile after
+a peer tile took 102 kcyc against 70 without the exchange, its epilogue
+unchanged). Spread over the K loop, a granule meets a link that is mostly
+idle and leaves at once. The announcement (one tile late) is unchanged.
+
 With `config.entry` (experimental), the devices meet inside the kernel
 instead of at XLA's barrier before it (`pallas_kernels.entry`): block 0's
 first compute warpgroup runs the handshake after its first K loop, and every
@@ -117,12 +128,16 @@ class MatmulReduceScatterConfig:
       add_all.
     entry: meet the peers inside the kernel, not at XLA's barrier (see the
       module). Experimental; not with add_all or senders.
+    drip: send each peer tile's granules during the next K loop (see the
+      module); needs one epilogue slot per granule (`with_drip`).
+      Experimental; not with senders or entry.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
   add_all: bool = False
   senders: int = 0
   entry: bool = False
+  drip: bool = False
 
   def padded_rows(self, rows: int) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -195,13 +210,25 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
   return dataclasses.replace(config, add_all=True)
 
 
+def with_drip(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
+  """`config` with peer tiles sent a granule at a time during the next K loop
+  (`MatmulReduceScatterConfig.drip`): 64 x 64 granules, one shared-memory slot
+  each, the ring one stage shallower to make room (as `staged_epilogue`)."""
+  t = config.tiles
+  epi_m, epi_n = min(64, t.tile_m), min(64, t.tile_n)
+  tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=epi_m, epi_tile_n=epi_n,
+                              epi_slots=(t.tile_m // epi_m) * (t.tile_n // epi_n))
+  return dataclasses.replace(config, tiles=tiles, drip=True)
+
+
 # The designs on `base_config`'s tiles, by name: benchmarked and GPU-tested
 # side by side with `default_config` (which takes the measured best of the
 # first four).
 VARIANTS = {"plain": lambda config: config, "staged": staged_epilogue, "add_all": with_add_all,
             "staged_add_all": lambda config: staged_epilogue(with_add_all(config)),
             "senders": lambda config: dataclasses.replace(config, senders=_SENDERS),
-            "entry": lambda config: dataclasses.replace(config, entry=True)}
+            "entry": lambda config: dataclasses.replace(config, entry=True),
+            "drip": with_drip, "drip_add_all": lambda config: with_drip(with_add_all(config))}
 
 
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
@@ -210,7 +237,19 @@ def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
     if getattr(config, field):
       return (f"config.{field} is experimental: it passes the GPU tests at D = 4 but was"
               " slower than `default_config` at D = 4 (benchmarks/NOTES.md, RS v4-v5).")
+  if config.drip:
+    return ("config.drip is experimental: not yet run on GPUs (benchmarks/NOTES.md, RS v6).")
   return None
+
+
+def _drip_steps(k_steps: int, granules: int) -> tuple[int, int]:
+  """(spacing, window) of the drip: block b sends its previous tile's granule
+  g at K step b % spacing + g * spacing, so that the blocks' granules spread
+  evenly over the first `window` steps, two steps before the K loop's end
+  (the stores land before the announcement after it). Granules whose step
+  falls past the loop are sent after it."""
+  window = max(1, k_steps - 2)
+  return max(1, window // granules), window
 
 
 def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
@@ -226,9 +265,15 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
             f" add_all={config.add_all}.")
   if config.entry and (config.add_all or config.senders):
     return "config.entry cannot be combined with add_all or senders."
+  t = config.tiles
+  if config.drip and (config.senders or config.entry):
+    return "config.drip cannot be combined with senders or entry."
+  if config.drip and t.epi_slots != (t.tile_m // t.epi_tile_m) * (t.tile_n // t.epi_tile_n):
+    return ("config.drip needs one epilogue slot per granule (tiles.epi_slots = granules per"
+            " warpgroup tile): build the config with `with_drip`.")
   padded = config.padded_rows(rows)
-  return (config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize)
-          or gemm_core.strip_reason(config.strip_chunks, padded, config.tiles.cta_m))
+  return (t.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize)
+          or gemm_core.strip_reason(config.strip_chunks, padded, t.cta_m))
 
 
 class _Visit(NamedTuple):
@@ -293,8 +338,11 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   senders = config.senders if remote else 0
   compute_grid = min(num_sms - senders, total)  # the blocks that run tiles
   meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
-  if (senders and add_all) or (meet and (senders or add_all)):
-    raise ValueError("config.senders, config.add_all and config.entry: at most one.")
+  # drip also runs stand-alone, into the local buffer by step (CPU tests).
+  drip = config.drip and d > 1
+  if (senders and add_all) or (meet and (senders or add_all)) or (drip and (senders or meet)):
+    raise ValueError("config.senders, config.entry and (config.add_all or config.drip): at most"
+                     " one.")
   if compute_grid < 1:
     raise ValueError(f"config.senders={senders} leaves none of the {num_sms} SMs to run tiles.")
   grid = compute_grid + senders
@@ -346,6 +394,25 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
               later = {axis_name: lax.rem(me - s + d, d)}
               signals.signal(plgpu.remote_ref(first_in.at[s, t, wg], later), "sys")
 
+    def peer_stores(lin):
+      """The destinations of tile `lin` in its owner, if a peer's (stand-alone:
+      the local buffer of its step)."""
+      step, _, chunk, n_idx = place(lin)
+      at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
+      if not exchange:
+        return [gemm_core.TileStore(out_ref.at[s].at[at], when=step == s) for s in range(d - 1)]
+      return [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
+                                  when=step == s, reduction="add" if s or add_all else None)
+              for s in range(d - 1)]
+
+    def drip_out(scratch, lin, granules, when=None):
+      """drip: the compute warpgroup's granules `granules` of tile `lin`, left
+      in shared memory by its epilogue, into their owner (if a peer)."""
+      stores = peer_stores(lin)
+      for g in granules:
+        go = when(g) if when is not None else True
+        pl.when(go)(lambda g=g: core.store_staged_granule(scratch, g, stores))
+
     def tile(scratch, info):
       lin = info.index[0]
       order = dict(first=info.local_index == 0,
@@ -355,7 +422,28 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
       at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
 
+      has_prev = info.local_index > 0
+      granules = range(core.num_granules)
+      spacing, _ = _drip_steps(core.k_steps, core.num_granules)
+      phase = lax.rem(sm, spacing)
+
+      def during_k(k_idx):
+        """drip: the previous tile's granule g at K step phase + g * spacing."""
+        drip_out(scratch, lin - compute_grid, granules,
+                    when=lambda g: has_prev & (k_idx - phase == g * spacing))
+
+      def send_late():
+        """drip: the previous tile's granules whose step fell past the loop."""
+        if core.num_granules * spacing - 1 >= core.k_steps:
+          drip_out(scratch, lin - compute_grid, granules,
+                      when=lambda g: has_prev & (phase + g * spacing >= core.k_steps))
+
       if not exchange:
+        if drip:
+          own = gemm_core.TileStore(out_ref.at[d - 1].at[at], when=step == d - 1)
+          with jax.named_scope("tile"):
+            core(scratch, a_rows, b_cols, [own], after_k=send_late, during_k=during_k, **order)
+          return
         with jax.named_scope("tile"):
           core(scratch, a_rows, b_cols, out_ref.at[step].at[at], **order)
         return
@@ -379,7 +467,9 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           def _():
             pl.when((sm == 0) & (wg == 0))(peers_in.porter)
             peers_in.wait()
-        pl.when(info.local_index > 0)(lambda: announce(lin - compute_grid))
+        if drip:
+          send_late()
+        pl.when(has_prev)(lambda: announce(lin - compute_grid))
         if first_in is not None:
           @pl.when((step > 0) & (step < d - 1))
           @jax.named_scope("wait_first")
@@ -399,12 +489,12 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
           signals.async_proxy_fence()
 
-      stores = [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
-                                    when=step == s, reduction="add" if s or add_all else None)
-                for s in range(d - 1)]
-      stores.append(gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add"))
+      own = gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add")
+      # With drip a peer tile's epilogue only stages it (no store runs).
+      stores = [own] if drip else [*peer_stores(lin), own]
       with jax.named_scope("tile"):
-        core(scratch, a_rows, b_cols, stores, after_k=after_k, **order)
+        core(scratch, a_rows, b_cols, stores, after_k=after_k,
+             during_k=during_k if drip else None, **order)
 
     def wait_peers(step, t):
       """An own tile, before its epilogue: every peer's half has landed."""
@@ -479,9 +569,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
                            pl.ds(n_idx * tiles.cta_n, tiles.cta_n)])
       core.zero_fill(scratch, tiles_of_block)
-      signals.signal(ready.at[me], "gpu")
-      for o in range(1, d):
-        signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
+      with jax.named_scope("ready"):
+        signals.signal(ready.at[me], "gpu")
+        for o in range(1, d):
+          signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
 
     @jax.named_scope("tiles")
     def run_tiles(loaded=None, **scratch):
@@ -491,6 +582,11 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         @plgpu.nd_loop((total,), collective_axes="sm")
         def _(info):
           tile(scratch, info)
+
+        if drip:  # the block's last tile has no next K loop to send it in
+          mine = (total - sm + compute_grid - 1) // compute_grid
+          pl.when((wg < 2) & (mine > 0))(lambda: drip_out(
+              scratch, sm + (mine - 1) * compute_grid, range(core.num_granules)))
         return
 
       @pl.when(sm < compute_grid)

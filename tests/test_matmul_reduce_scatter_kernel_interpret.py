@@ -370,3 +370,74 @@ def test_staged_epilogue_fits_and_lowers_at_the_benchmark_shapes(d, shape):
   assert config.tiles.epi_slots == 1 and config.tiles.epi_tile_n == config.tiles.tile_n
   assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
   assert "mosaic_gpu" in _cuda_module(config, m, k, n, d)
+
+
+# --- drip: peer tiles staged, their granules sent during the next K loop ---------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("d,index,wg_split,tile_n,rows,k,num_sms", [
+    (2, 1, "n", 128, 128, 128, 3),   # 2 K steps < 4 granules: the late granules after the loop
+    (3, 0, "n", 128, 100, 768, 4),   # 12 K steps: spacing 2, the blocks' phases differ; padded
+    (3, 2, "m", 128, 128, 384, 5),   # 6 K steps, spacing 1; blocks ending on a peer tile
+], ids=["D2-dev1-late", "D3-dev0-phases", "D3-dev2-split_m"])
+def test_drip_partials_match_float64_without_races(d, index, wg_split, tile_n, rows, k, num_sms,
+                                                   interpreter):
+  """drip stand-alone: every peer tile's granules reach its step's buffer
+  from shared memory during the block's next K loop (or after it, or after
+  the block's last tile), the own tiles through the epilogue; every step's
+  partial matches float64 and no slot is rewritten before its stores read it."""
+  config = rs.with_drip(_config(tile_n, wg_split))
+  t = config.tiles
+  core = gemm_core.TileMatmul(t, k, BF16, BF16)
+  assert config.drip and t.epi_slots == core.num_granules == (t.tile_m // 64) * (t.tile_n // 64)
+  assert rs.unsupported_reason(rows, k, N, BF16, config) is None
+  rng = testkit.rng("rs-drip", d, index, k)
+  x = rng.standard_normal((d * rows, k)).astype(BF16)
+  w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(BF16)
+  out = rs.matmul_reduce_scatter(x, w, config=config, num_sms=num_sms,
+                                 standalone=rs.Standalone(index, d),
+                                 interpret=interpreter(detect_races=True))
+  assert not interpret_pallas_call.get_races().races_found
+  for step in range(d):
+    owner = (index + 1 + step) % d
+    testkit.assert_matmul_close(out[step], x[owner * rows:(owner + 1) * rows], w, BF16)
+
+
+@pytest.mark.parametrize("k_steps,granules,expected", [
+    (64, 4, (15, 62)), (32, 4, (7, 30)), (2, 4, (1, 1)), (12, 2, (5, 10))])
+def test_drip_spreads_the_granules_before_the_loop_ends(k_steps, granules, expected):
+  spacing, window = rs._drip_steps(k_steps, granules)  # pylint: disable=protected-access
+  assert (spacing, window) == expected
+  last = (spacing - 1) + (granules - 1) * spacing  # the last block phase's last granule
+  assert last < window or spacing == 1
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("variant", ["drip", "drip_add_all"])
+def test_drip_lowers_for_cuda(d, variant):
+  """drip (experimental): the staged epilogue, the granules' remote stores
+  and reduce-stores from the K loop and after the block's last tile, and the
+  announcements lower for CUDA at the benchmark's rows per device."""
+  m, k, n = 512 * d, 4096, 4096
+  config = rs.VARIANTS[variant](rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  assert config.drip and rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  assert rs.experimental_reason(config) is not None
+  module = _cuda_module(config, m, k, n, d)
+  assert "red.release.sys" in module
+  assert ("wait_ready" in module) == (variant == "drip_add_all")
+
+
+@pytest.mark.parametrize("config,words", [
+    (rs.MatmulReduceScatterConfig(drip=True, senders=4), "cannot be combined with senders"),
+    (rs.MatmulReduceScatterConfig(drip=True, entry=True), "cannot be combined with senders"),
+    (rs.MatmulReduceScatterConfig(drip=True), "one epilogue slot per granule"),
+], ids=["senders", "entry", "slots"])
+def test_drip_bad_configs_are_rejected(config, words):
+  assert words in rs.unsupported_reason(1024, 4096, 4096, BF16, config)
+
+
+def test_staged_granules_need_a_slot_each():
+  core = gemm_core.TileMatmul(_config(64, "n").tiles, 128, BF16, BF16)  # 1 granule, 2 slots
+  with pytest.raises(ValueError, match="one slot per granule"):
+    core.store_staged_granule({}, 0, [])
