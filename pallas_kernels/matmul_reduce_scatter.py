@@ -32,9 +32,13 @@ Semaphores: landed[t, wg] on the owner counts the peers' halves of its tile
 t; first_in[s, t, wg] on the step-s sender says that the step-0 sender's
 half has landed at the owner.
 
-With `config.add_all` (the default at D >= 3 past one wave), each device
-first zeroes its own output (every block its share of the tiles, before its
-first tile) and announces that to every device (`ready`); then every partial,
+With `config.add_all` (with drip, the default at D >= 3 past one wave), each device
+first zeroes its own output and announces that to every device (`ready`):
+the last `_zeroers` blocks of the grid do it, before their first tile (those
+with a tile fewer than the others where the tiles do not divide evenly), the
+others start their tiles at once; a warpgroup's announcement to D devices
+took ~17 kcyc, which every block paid before its first tile when all of them
+zeroed a share (RS v6 profile). Then every partial,
 the peers' and the own, is reduce-added, each after the owner's `ready`, so
 no later sender waits for the first one's store (at D > 2 with few waves per
 step that wait is a whole tile: the first sender announces a tile one tile
@@ -50,7 +54,7 @@ with the same stores, reduce-stores and signals as above (benchmarks/
 NOTES.md, RS hypothesis H4: a TMA store into a peer holds its SM's TMA
 queue at the link's pace, and the next tile's loads wait behind it).
 
-With `config.drip` (experimental), a peer tile's epilogue only stages the
+With `config.drip` (the default past one wave), a peer tile's epilogue only stages the
 tile in shared memory, one slot per granule, and its stores into the owner
 leave a granule at a time during the block's next K loop, each block at its
 own phase (`_drip_steps`); a block's last tile sends its granules after the
@@ -129,8 +133,8 @@ class MatmulReduceScatterConfig:
     entry: meet the peers inside the kernel, not at XLA's barrier (see the
       module). Experimental; not with add_all or senders.
     drip: send each peer tile's granules during the next K loop (see the
-      module); needs one epilogue slot per granule (`with_drip`).
-      Experimental; not with senders or entry.
+      module); needs one epilogue slot per granule (`with_drip`);
+      `default_config` sets it past one wave. Not with senders or entry.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -170,26 +174,23 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
                    num_sms: int) -> MatmulReduceScatterConfig:
   """The measured-best design on `base_config`'s tiles.
 
-  At D >= 3 past one wave, `add_all` with each warpgroup's tile staged
-  whole; at D = 2 past two waves, the staged epilogue; else `base_config`.
-  Side by side on 4 H100s (benchmarks/NOTES.md, RS v3; results/
-  h100x4_matmul_reduce_scatter*.json, h100x2_..., K_shard 4096): at D = 4
-  staged + add_all took 143 µs against 173 for `base_config` (512 rows per
-  device, 1.9 waves) and 750 against 790 (2048 rows, 13.6 waves), but 94
-  against 90 and 60 against 53 in one wave (256 and 64 rows); at D = 2
-  staging cost 2% at 1.9 waves and saved 4% at 13.6, and add_all cost 6%
-  and 1%.
+  Past one wave, `drip` (peer tiles sent a granule at a time during the next
+  K loop), with `add_all` at D >= 3; in one wave, `base_config`. Side by side
+  on 4 H100s (benchmarks/NOTES.md, RS v6; results/h100x{4,2}_matmul_reduce_
+  scatter.json, K_shard 4096): at D = 4 drip + add_all took 131 µs against
+  146 for staged + add_all (the previous default) at 512 rows per device (1.9
+  waves) and 697 against 759 at 2048 rows (13.6 waves); at D = 2 drip took 102
+  against 119 (plain) at 1024 rows and 659 against 719 (staged) at 4096, where
+  add_all cost 8% and 4%. In one wave (64 and 256 rows per device at D = 4)
+  plain was the fastest of the v3 designs (RS v3); drip is unmeasured there.
   """
   config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   padded = config.padded_rows(rows)
   if config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize) is not None:
     return config
-  waves = _waves(padded, n, config.tiles, axis_size, num_sms)
-  if axis_size >= 3 and waves > 1:
-    return staged_epilogue(with_add_all(config))
-  if axis_size == 2 and waves > 2:
-    return staged_epilogue(config)
-  return config
+  if _waves(padded, n, config.tiles, axis_size, num_sms) <= 1:
+    return config
+  return with_drip(with_add_all(config) if axis_size >= 3 else config)
 
 
 def staged_epilogue(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
@@ -237,9 +238,18 @@ def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
     if getattr(config, field):
       return (f"config.{field} is experimental: it passes the GPU tests at D = 4 but was"
               " slower than `default_config` at D = 4 (benchmarks/NOTES.md, RS v4-v5).")
-  if config.drip:
-    return ("config.drip is experimental: not yet run on GPUs (benchmarks/NOTES.md, RS v6).")
   return None
+
+
+# Blocks that zero the output with add_all, at most.
+_ZEROERS = 16
+
+
+def _zeroers(total: int, grid: int) -> int:
+  """How many blocks, the last of the grid, zero the output (add_all): those
+  with a tile fewer than the first `total % grid` blocks, at most _ZEROERS."""
+  fewer = grid - total % grid if total % grid else grid
+  return min(_ZEROERS, fewer)
 
 
 def _drip_steps(k_steps: int, granules: int) -> tuple[int, int]:
@@ -346,6 +356,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   if compute_grid < 1:
     raise ValueError(f"config.senders={senders} leaves none of the {num_sms} SMs to run tiles.")
   grid = compute_grid + senders
+  zeroers = _zeroers(total, compute_grid)
 
   def body(x_ref, w_ref, out_ref, *stage):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
@@ -355,8 +366,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       landed = pl.get_global(plgpu.SemaphoreType.REGULAR((per_step, 2)))
       first_in = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, per_step, 2)))
                   if d > 2 and not add_all else None)
-      # ready[o]: how many of device o's compute warpgroups have zeroed their
-      # share of o's output (add_all).
+      # ready[o]: how many of device o's zeroing warpgroups (2 per zeroer
+      # block) have zeroed their share of o's output (add_all).
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,))) if add_all else None
       # staged[s, t]: the compute warpgroups that staged their half of peer
       # tile (s, t) here for the senders (senders).
@@ -480,7 +491,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           @pl.when((info.local_index == 0) | ((lin - compute_grid) // per_step != step))
           @jax.named_scope("wait_ready")
           def _():
-            pl.semaphore_wait(ready.at[owner(step)], 2 * compute_grid, decrement=False)
+            pl.semaphore_wait(ready.at[owner(step)], 2 * zeroers, decrement=False)
             signals.async_proxy_fence()
 
         @pl.when(step == d - 1)
@@ -563,7 +574,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       """The compute warpgroups zero this block's share of the output's tiles,
       then tell every device (add_all)."""
       def tiles_of_block(store):
-        @pl.loop(sm, per_step, step=compute_grid)
+        @pl.loop(sm - (compute_grid - zeroers), per_step, step=zeroers)
         def _(t):
           chunk, n_idx = t // n_tiles, t % n_tiles
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
@@ -577,7 +588,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     @jax.named_scope("tiles")
     def run_tiles(loaded=None, **scratch):
       if add_all:
-        pl.when(wg < 2)(jax.named_scope("zero")(lambda: zero_own_share(scratch)))
+        pl.when((wg < 2) & (sm >= compute_grid - zeroers))(
+            jax.named_scope("zero")(lambda: zero_own_share(scratch)))
       if not senders:
         @plgpu.nd_loop((total,), collective_axes="sm")
         def _(info):

@@ -154,12 +154,12 @@ def test_default_config_strips_only_past_two_waves():
 
 
 @pytest.mark.parametrize("d,m,design", [
-    (2, 2048, "plain"), (2, 8192, "staged"), (4, 1024, "plain"), (4, 2048, "staged_add_all"),
-    (4, 8192, "staged_add_all"), (8, 8192, "staged_add_all")])
+    (2, 1024, "plain"), (2, 2048, "drip"), (2, 8192, "drip"), (4, 1024, "plain"),
+    (4, 2048, "drip_add_all"), (4, 8192, "drip_add_all"), (8, 8192, "drip_add_all")])
 def test_default_config_takes_the_measured_design(d, m, design):
-  """The design by D and waves (RS v3): at D >= 3 staged + add_all past one
-  wave, at D = 2 staged past two, else plain; each is its `VARIANTS` entry
-  on the base tiles."""
+  """The design by D and waves (RS v6): past one wave drip, with add_all at
+  D >= 3; in one wave plain; each is its `VARIANTS` entry on the base
+  tiles."""
   rows, k_shard, n = m // d, 4096 // d, 4096
   config = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
   base = rs.base_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
@@ -416,13 +416,13 @@ def test_drip_spreads_the_granules_before_the_loop_ends(k_steps, granules, expec
 @pytest.mark.parametrize("d", [2, 3, 4])
 @pytest.mark.parametrize("variant", ["drip", "drip_add_all"])
 def test_drip_lowers_for_cuda(d, variant):
-  """drip (experimental): the staged epilogue, the granules' remote stores
-  and reduce-stores from the K loop and after the block's last tile, and the
+  """drip: the staged epilogue, the granules' remote stores and
+  reduce-stores from the K loop and after the block's last tile, and the
   announcements lower for CUDA at the benchmark's rows per device."""
   m, k, n = 512 * d, 4096, 4096
   config = rs.VARIANTS[variant](rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
   assert config.drip and rs.unsupported_reason(m // d, k, n, BF16, config) is None
-  assert rs.experimental_reason(config) is not None
+  assert rs.experimental_reason(config) is None
   module = _cuda_module(config, m, k, n, d)
   assert "red.release.sys" in module
   assert ("wait_ready" in module) == (variant == "drip_add_all")
@@ -441,3 +441,20 @@ def test_staged_granules_need_a_slot_each():
   core = gemm_core.TileMatmul(_config(64, "n").tiles, 128, BF16, BF16)  # 1 granule, 2 slots
   with pytest.raises(ValueError, match="one slot per granule"):
     core.store_staged_granule({}, 0, [])
+
+
+@pytest.mark.parametrize("total,grid,expected", [
+    (256, 132, 8), (264, 132, 16), (133, 132, 16), (10, 10, 10), (1792, 132, 16)])
+def test_zeroers_are_the_blocks_with_a_tile_fewer(total, grid, expected):
+  """add_all: the last blocks of the grid zero the output, those that run a
+  tile fewer where the tiles do not divide evenly, at most 16; their shares
+  (block j of them takes tiles j, j + Z, ...) cover every tile of a step
+  once."""
+  zeroers = rs._zeroers(total, grid)  # pylint: disable=protected-access
+  assert zeroers == expected
+  first = grid - zeroers
+  if total % grid:
+    assert first >= total % grid  # none of them runs the extra tile
+  per_step = 64
+  shares = [t for sm in range(first, grid) for t in range(sm - first, per_step, zeroers)]
+  assert sorted(shares) == list(range(per_step))
