@@ -44,8 +44,13 @@ def markdown(payloads: list[dict]) -> str:
     out.append("Per step, per device, ms: CUPTI (sum of kernel time) / back-to-back dispatch;"
                " speedup = BSP time / fused time.")
     out.append("")
-    out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch |")
-    out.append("|---|---|---|---|---|---|---|")
+    out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch |"
+               " measured (UTC) |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    measured = {}  # a row's latest record, to the minute: older rows stand out
+    for x in records:
+      base = x["key"].rsplit("/", 1)[0]
+      measured[base] = max(measured.get(base, ""), x.get("time_utc", "")[:16].replace("T", " "))
     steps = ("train", "prefill", "decode")
     rows = sorted(transformer.speedups(records), key=lambda r: (
         r["model"], r["d"], steps.index(r["step"]) if r["step"] in steps else 3,
@@ -53,18 +58,18 @@ def markdown(payloads: list[dict]) -> str:
     for r in rows:
       b, s = r["shape"].removeprefix("b").split("_s")
       shape = f"{b} x {int(s) // 1024}K" if r["step"] == "decode" else f"{b} x {s}"
+      base = f"{r['model']}/D{r['d']}/{r['step']}/{r['shape']}"
       if r["status"] != "ok/ok":
         reasons = {x["reason"].split(" | ")[0][:90] for x in records
-                   if x["key"].rsplit("/", 1)[0] == f"{r['model']}/D{r['d']}/{r['step']}/"
-                   f"{r['shape']}" and x["status"] != "ok"}
+                   if x["key"].rsplit("/", 1)[0] == base and x["status"] != "ok"}
         out.append(f"| {r['model']} | {r['d']} | {r['step']} | {shape} | {r['status']} |"
-                   f" {'; '.join(sorted(reasons))} | - |")
+                   f" {'; '.join(sorted(reasons))} | - | {measured[base] or '?'} |")
         continue
       out.append(
           f"| {r['model']} | {r['d']} | {r['step']} | {shape} |"
           f" {_fmt(r['fused_cupti_ms'])} / {_fmt(r['fused_dispatch_ms'])} |"
           f" {_fmt(r['bsp_cupti_ms'])} / {_fmt(r['bsp_dispatch_ms'])} |"
-          f" {_fmt(r['speedup_cupti'])} / {_fmt(r['speedup_dispatch'])} |")
+          f" {_fmt(r['speedup_cupti'])} / {_fmt(r['speedup_dispatch'])} | {measured[base] or '?'} |")
     out.append("")
   return "\n".join(out).rstrip()
 

@@ -555,18 +555,27 @@ def main(argv) -> None:
   print(_chart(all_records, path.with_suffix(".png"), device))
 
 
+def merge_records(earlier: list[dict], records: list[dict]) -> tuple[list[dict], list[dict]]:
+  """(the earlier records kept, all records by key): this run's records
+  replace earlier ones of the same case, except those it skipped."""
+  ran = {r["key"]: r for r in records if r["status"] != "skipped"}
+  kept = [r for r in earlier if r["key"] not in ran]
+  keys = {r["key"] for r in kept}
+  fresh = list(ran.values()) + [r for r in records if r["key"] not in ran and r["key"] not in keys]
+  return kept, sorted(kept + fresh, key=lambda r: r["key"])
+
+
 def _write_json(records, mesh, pallas, layers: int, iterations: int):
   """Writes this run's records, and the earlier runs' of other cases (unless
-  --fresh), to <out_dir>/<device tag>_transformer.json. Returns (path, the
-  earlier records kept, all records)."""
+  --fresh), to <out_dir>/<device tag>_transformer.json; a case this run
+  skipped keeps an earlier record. Returns (path, the earlier records kept,
+  all records)."""
   out_dir = pathlib.Path(flags.FLAGS.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{spmd.device_tag(mesh)}_transformer.json"
-  kept = []
-  if path.exists() and not _FRESH.value:
-    new = {r["key"] for r in records}
-    kept = [r for r in json.loads(path.read_text()).get("records", []) if r["key"] not in new]
-  all_records = sorted(kept + records, key=lambda r: r["key"])
+  earlier = (json.loads(path.read_text()).get("records", [])
+             if path.exists() and not _FRESH.value else [])
+  kept, all_records = merge_records(earlier, records)
   payload = {
       "benchmark": "transformer", "device_kind": mesh.devices.flat[0].device_kind,
       "platform": mesh.devices.flat[0].platform, "devices": mesh.size,

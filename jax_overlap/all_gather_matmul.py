@@ -131,8 +131,8 @@ def _pallas(x, w, axis_name, return_gathered, problem):
   return _fused(x, w, axis_name, _kernel_config(problem), return_gathered)
 
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
-                           OP, _key, _small_m_rule), _pallas_caveat),
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
+                           tuned.measured_first(OP, _key, _small_m_rule)), _pallas_caveat),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

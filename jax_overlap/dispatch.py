@@ -18,9 +18,19 @@ from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import logging
 
+import jax
+
 from pallas_kernels import platform
 
 logger = logging.getLogger("jax_overlap")
+
+# Why "auto" keeps the fused kernels out of multi-process jobs for now.
+MULTI_PROCESS_REASON = (
+    "in a multi-process job (jax.process_count() > 1) the fused kernels are unverified: on 4 H100s"
+    " with 2 processes x 2 GPUs and the op's axis inside each process they failed while XLA set"
+    " up their peer addresses (NCCL ncclGetPeerDevicePointer: 'unhandled system error', then"
+    " 'Window address must be suitably aligned'; BUILD.md, multi-process jobs), so impl='auto'"
+    " takes the XLA path; impl='pallas' runs them.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,17 @@ def in_processes(problem, axis_name):
   if axis_name is None:
     return problem
   return dataclasses.replace(problem, process_reason=platform.axis_process_reason(axis_name))
+
+
+def single_process(rule: Support) -> Support:
+  """An auto rule that refuses every problem in a multi-process job
+  (`MULTI_PROCESS_REASON`) and is `rule` otherwise: for the fused kernels,
+  whose peer addressing failed across processes."""
+  def check(problem) -> str | None:
+    if jax.process_count() > 1:
+      return MULTI_PROCESS_REASON
+    return rule(problem)
+  return check
 
 
 def always(problem) -> None:

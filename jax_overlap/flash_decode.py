@@ -85,7 +85,8 @@ def _few_pairs_rule(p: Problem) -> str | None:
 # is ~3x slower than a local kernel); else XLA. The auto table
 # (`tuned.auto_reason`) decides between all three for its exact problems.
 _OP = dispatch.Op(OP, {
-    "pallas": dispatch.Impl(_pallas_support, tuned.measured_first(OP, _key, _few_pairs_rule)),
+    "pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
+        tuned.measured_first(OP, _key, _few_pairs_rule))),
     "pallas_bsp": dispatch.Impl(_pallas_bsp_support, tuned.measured_first(
         OP, _key, dispatch.always, impl="pallas_bsp")),
     "xla_bsp": dispatch.Impl()}, ("pallas", "pallas_bsp", "xla_bsp"))

@@ -118,8 +118,8 @@ def _fused_bwd(axis_name, config, residuals, d_out):
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, tuned.measured_first(
-                           OP, _key, _rows_rule), _pallas_caveat),
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
+                           tuned.measured_first(OP, _key, _rows_rule)), _pallas_caveat),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

@@ -12,6 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
+from jax_overlap import dispatch
 import testkit
 from benchmarks import shapes
 from testkit import AXIS
@@ -330,3 +331,24 @@ def test_explain_with_an_axis_name_checks_the_processes(monkeypatch):
   with pytest.raises(ValueError, match="spans 2 processes"):
     jax_overlap.explain_matmul_reduce_scatter(S(4096, 4096), S(4096, 4096), axis_size=2,
                                               impl="pallas", axis_name="tp")
+
+
+@pytest.mark.parametrize("explain,args", [
+    (jax_overlap.explain_all_gather_matmul, (S(1024, 4096), S(4096, 4096))),
+    (jax_overlap.explain_matmul_reduce_scatter, (S(4096, 4096), S(4096, 4096))),
+    (jax_overlap.explain_flash_decode, (S(8, 64, 128), S(8, 4096, 8, 128), S(8, 4096, 8, 128))),
+], ids=["all_gather_matmul", "matmul_reduce_scatter", "flash_decode"])
+def test_auto_keeps_the_kernels_out_of_multi_process_jobs(explain, args, monkeypatch):
+  """In a multi-process job (the kernels failed there on 4 H100s, BUILD.md)
+  "auto" takes an XLA-built path and says why, even where every other check
+  accepts the kernel; impl="pallas" still runs it."""
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  assert explain(*args, axis_size=2).impl == "pallas"
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  choice = explain(*args, axis_size=2)
+  assert choice.impl != "pallas"
+  assert dict(choice.rejected)["pallas"] == dispatch.MULTI_PROCESS_REASON
+  assert explain(*args, axis_size=2, impl="pallas").impl == "pallas"

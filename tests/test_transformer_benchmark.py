@@ -91,3 +91,15 @@ def test_a_step_out_of_memory_is_retried_once_with_fresh_parameters(tmp_path, mo
   assert fused["status"] == "ok" and fused["retried"].startswith("after out of memory")
   assert bsp["status"] == "failed" and bsp["retried"] == "after out of memory: out of memory: again"
   assert calls.count("tiny/D2/train/b2_s64/fused") == calls.count("tiny/D2/train/b2_s64/bsp") == 2
+
+
+def test_a_skipped_case_keeps_the_earlier_record():
+  """A case cut by the time budget does not erase an earlier run's figure;
+  one that ran (or failed) replaces it, and new cases are added."""
+  rec = lambda key, status, ms=None: {"key": key, "status": status, "cupti_ms": ms}
+  earlier = [rec("a", "ok", 1.0), rec("b", "ok", 2.0), rec("c", "ok", 3.0)]
+  records = [rec("a", "skipped"), rec("b", "failed"), rec("c", "ok", 4.0), rec("d", "skipped")]
+  kept, merged = bench.merge_records(earlier, records)
+  assert kept == [rec("a", "ok", 1.0)]
+  assert merged == [rec("a", "ok", 1.0), rec("b", "failed"), rec("c", "ok", 4.0),
+                    rec("d", "skipped")]
