@@ -35,11 +35,9 @@ case "${OP:-}" in
   rs)
     TESTS=tests/test_matmul_reduce_scatter_gpu.py; BENCH=benchmarks.matmul_reduce_scatter
     TT=${TT:-70}; PRE="each_design and "
-    declare -A K=([plain]="plain" [staged]="staged and not add_all"
-                  [add_all]="add_all and not staged and not drip" [staged_add_all]="staged_add_all"
-                  [senders]="senders" [entry]="entry" [drip]="drip and not add_all"
+    declare -A K=([plain]="plain" [add_all]="add_all and not drip" [drip]="drip and not add_all"
                   [drip_add_all]="drip_add_all")
-    ORDER="plain staged add_all staged_add_all senders entry drip drip_add_all"
+    ORDER="plain add_all drip drip_add_all"
     BASE="pallas,user_bsp,gemm_alone,reduce_scatter_alone";;
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul

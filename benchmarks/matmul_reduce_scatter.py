@@ -10,10 +10,9 @@ Cases:
   ours      pallas: the fused kernel, run whenever `explain(impl="pallas")`
             accepts (Hopper), also where "auto" does not take it;
             pallas_<variant>: the kernel with each design on the base tiles
-            (`rs_kernel.VARIANTS`: plain, the epilogue staging each tile
-            whole, the output zeroed first and every partial reduce-added,
-            sender blocks, the in-kernel entry, peer tiles sent a granule at
-            a time during the next K loop with and without add_all);
+            (`rs_kernel.VARIANTS`: plain, the output zeroed first and every
+            partial reduce-added, peer tiles sent a granule at a time during
+            the next K loop, with and without add_all);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.

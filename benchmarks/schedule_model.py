@@ -32,7 +32,9 @@ come out at ~1.03, below what they measure (1.03-1.18).
 Matmul + reduce-scatter (`rs_span_over_gemm`), an event simulation: a peer
 tile's partial is queued on the link at its epilogue; the default epilogue
 returns once the store has read all but its last `epi_slots` granules
-(staged: at once); a peer tile is announced after the block's next K loop
+(drip: at once; the model leaves out the TMA queue that drip spreads, RS v6's
+H4, so it reads drip as the tile staged whole); a peer tile is announced
+after the block's next K loop
 (or after its last tile) once landed; later senders (D > 2) wait for the
 step-0 sender's announcement, own tiles for the D - 1 peers' (add_all: only
 the latter, after zeroing the output at HBM speed). Against H100: 2048 rows
@@ -70,7 +72,7 @@ DEFAULT_SHAPES = {
 
 # The designs compared: AG (send, stream); RS config variants.
 DESIGNS = (("forward", False), ("ring", False), ("forward", True), ("ring", True))
-RS_VARIANTS = ("plain", "staged", "add_all", "staged_add_all")
+RS_VARIANTS = ("plain", "add_all", "drip", "drip_add_all")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,13 +63,10 @@ def _pallas_support(p: Problem) -> str | None:
 # was 1.06-1.26x faster from 64 rows per device up and 0.90x at 32; at D = 4,
 # with add_all (session 24), 1.06x at 512 rows and 1.23x at 2048; without it
 # (session 22) 1.02x at 64 but 0.61-0.82x at 16-32 (the peers' reduce-stores
-# over NVLink).
+# over NVLink). Session 25 (drip defaults): D = 2 1.19x at 128 rows, 0.95x at
+# 32, level at 64; D = 4 1.29x at 512 rows, 1.04x at 64, 0.6-0.7x at 16-32.
 _AUTO_MIN_ROWS = {1: 0, 2: 128}
 _AUTO_MIN_ROWS_MANY = 512
-
-
-def _pallas_caveat(p: Problem) -> str | None:
-  return kernel.experimental_reason(_kernel_config(p))
 
 
 def _key(p: Problem) -> str:
@@ -119,7 +116,7 @@ def _fused_bwd(axis_name, config, residuals, d_out):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 _OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
-                           tuned.measured_first(OP, _key, _rows_rule)), _pallas_caveat),
+                           tuned.measured_first(OP, _key, _rows_rule))),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

@@ -13,11 +13,10 @@ released once the stores have read it, one step later, so the compute
 warpgroup does not stall on them), `during_k(k_idx)` runs in the compute
 warpgroups at every K step while its wgmma runs (e.g. to issue the previous
 tile's staged stores a granule at a time: `store_staged_granule`),
-`after_k()` once the tile's K loop is done, `after_store()` once they have
-issued the tile's stores, and `before_load(k_idx)` runs in the memory
-warpgroup just before it issues step k_idx's loads (e.g. to wait for a peer's
-rows to arrive without stalling the compute warpgroups on the steps before
-them).
+`after_k()` once the tile's K loop is done, and `before_load(k_idx)` runs in
+the memory warpgroup just before it issues step k_idx's loads (e.g. to wait
+for a peer's rows to arrive without stalling the compute warpgroups on the
+steps before them).
 """
 
 from collections.abc import Callable
@@ -336,7 +335,6 @@ class TileMatmul:
       before_load: Callable | None = None,
       first=None,
       last=None,
-      after_store: Callable | None = None,
       during_k: Callable | None = None,
   ) -> None:
     """Computes out_tile = a_rows @ b_cols.
@@ -359,8 +357,6 @@ class TileMatmul:
         the memory warpgroup runs on into the next tile's loads while the
         compute warpgroups finish this one (no pipeline fill per tile); every
         call of a block must then get them, in order.
-      after_store: called by both compute warpgroups once they have issued
-        the tile's stores (e.g. to await and announce them).
       during_k: called as during_k(k_idx) by both compute warpgroups at every
         K step, after issuing the step's wgmma and before awaiting it.
     """
@@ -417,8 +413,6 @@ class TileMatmul:
           after_k()
         self._epilogue(acc[...].astype(self.out_dtype), stores, (wg_rows, wg_cols),
                        scratch["out_smem"].at[wg])
-        if after_store is not None:
-          after_store()
 
     def run(state):
       self._pipeline(mma, compute_context, state, before_load)(
@@ -489,41 +483,10 @@ class TileMatmul:
         plgpu.commit_smem_to_gmem_group()
 
 
-def relay_tile(src, stores, slots, loaded, granule: tuple[int, int]) -> None:
-  """Copies the GMEM tile `src` to each of `stores` (`TileStore`s of the same
-  shape: stored or reduce-stored where `when` holds) through shared memory,
-  granule by granule: `slots` are SMEM refs of shape `granule`, `loaded` one
-  barrier per slot; the loads run ahead of the stores by all but one slot.
-  Issue it from one warpgroup; it returns once every store has landed."""
-  rows, cols = src.shape
-  granules = [(pl.ds(r, granule[0]), pl.ds(c, granule[1]))
-              for r in range(0, rows, granule[0]) for c in range(0, cols, granule[1])]
-  n, ahead = len(slots), len(slots) - 1
-
-  def load(i):
-    plgpu.copy_gmem_to_smem(src.at[granules[i]], slots[i % n], loaded.at[i % n])
-
-  for i in range(min(ahead, len(granules))):
-    load(i)
-  for i, at in enumerate(granules):
-    plgpu.barrier_wait(loaded.at[i % n])
-    for store in stores:
-      _store_out(slots[i % n], store, store.ref.at[at], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    if i + ahead < len(granules):
-      # Granule i + ahead goes where granule i - 1 was: its stores have read it.
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      load(i + ahead)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-
-def launch(body, *, name: str, out_type, num_sms: int, interpret=None,
-           skip_device_barrier: bool = False):
+def launch(body, *, name: str, out_type, num_sms: int, interpret=None):
   """`plgpu.kernel` with the core's thread layout: a persistent grid "sm" of
   `num_sms` blocks of three warpgroups. `name` names the GPU kernel
-  (`<name>_mosaic_gpu_kernel` in profiles). skip_device_barrier: no XLA
-  cross-device barrier before the launch (the kernel then meets its peers
-  itself: `pallas_kernels.entry`)."""
+  (`<name>_mosaic_gpu_kernel` in profiles)."""
   return plgpu.kernel(
       body,
       kernel_name=name,
@@ -533,8 +496,7 @@ def launch(body, *, name: str, out_type, num_sms: int, interpret=None,
       num_threads=NUM_WARPGROUPS,
       thread_name=WG_AXIS,
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-          skip_device_barrier=skip_device_barrier),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret,
   )
 

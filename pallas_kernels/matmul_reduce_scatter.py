@@ -32,48 +32,37 @@ Semaphores: landed[t, wg] on the owner counts the peers' halves of its tile
 t; first_in[s, t, wg] on the step-s sender says that the step-0 sender's
 half has landed at the owner.
 
-With `config.add_all` (with drip, the default at D >= 3 past one wave), each device
-first zeroes its own output and announces that to every device (`ready`):
-the last `_zeroers` blocks of the grid do it, before their first tile (those
-with a tile fewer than the others where the tiles do not divide evenly), the
-others start their tiles at once; a warpgroup's announcement to D devices
-took ~17 kcyc, which every block paid before its first tile when all of them
-zeroed a share (RS v6 profile). Then every partial,
-the peers' and the own, is reduce-added, each after the owner's `ready`, so
-no later sender waits for the first one's store (at D > 2 with few waves per
-step that wait is a whole tile: the first sender announces a tile one tile
-late). The own tiles still wait for the D - 1 peers' partials, so that the
-output is complete on exit.
+With `config.drip` (the default past one wave), a peer tile's epilogue only
+stages the tile in shared memory, one slot per granule, and its stores into
+the owner leave a granule at a time during the block's next K loop, each
+block at its own phase (`_drip_steps`); a block's last tile sends its
+granules after the loop. The waves are synchronized, so a tile's stores
+otherwise leave every SM at once, at the SM's share of the link, and the next
+tile's TMA loads queue behind them (benchmarks/NOTES.md, RS hypothesis H4,
+confirmed by the D = 4 profile: the tile after a peer tile took 102 kcyc
+against 70 without the exchange, its epilogue unchanged). Spread over the K
+loop, a granule meets a link that is mostly idle and leaves at once. The
+announcement (one tile late) is unchanged.
 
-With `config.senders` = S > 0 (experimental), no computing SM stores into a
-peer: the tiles of peer steps store their partials into a local staging
-buffer [D - 1, M / D, N] (at HBM speed) and announce each there (`staged`);
-the last S blocks of the grid compute nothing and forward the staged tiles
-to their owners in tile order, granule by granule through shared memory,
-with the same stores, reduce-stores and signals as above (benchmarks/
-NOTES.md, RS hypothesis H4: a TMA store into a peer holds its SM's TMA
-queue at the link's pace, and the next tile's loads wait behind it).
+With `config.add_all` (with drip, the default at D >= 3 past one wave), each
+device first zeroes its own output and announces that to every device
+(`ready`): the last `_zeroers` blocks of the grid do it before their first
+tile (those with a tile fewer than the others where the tiles do not divide
+evenly), the others start their tiles at once (a warpgroup's announcement to
+D devices took ~17 kcyc: RS v7). Then every partial, the peers' and the own,
+is reduce-added, each after the owner's `ready`, so no later sender waits for
+the first one's store (at D > 2 with few waves per step that wait is a whole
+tile: the first sender announces a tile one tile late). The own tiles still
+wait for the D - 1 peers' partials, so that the output is complete on exit.
 
-With `config.drip` (the default past one wave), a peer tile's epilogue only stages the
-tile in shared memory, one slot per granule, and its stores into the owner
-leave a granule at a time during the block's next K loop, each block at its
-own phase (`_drip_steps`); a block's last tile sends its granules after the
-loop. The waves are synchronized, so a tile's stores otherwise leave every SM
-at once, at the SM's share of the link, and the next tile's TMA loads queue
-behind them (RS hypothesis H4, confirmed by the D = 4 profile: the tile after
-a peer tile took 102 kcyc against 70 without the exchange, its epilogue
-unchanged). Spread over the K loop, a granule meets a link that is mostly
-idle and leaves at once. The announcement (one tile late) is unchanged.
-
-With `config.entry` (experimental), the devices meet inside the kernel
-instead of at XLA's barrier before it (`pallas_kernels.entry`): block 0's
-first compute warpgroup runs the handshake after its first K loop, and every
-block waits for it before its first epilogue, the first write into a peer. A
-device that starts before its peers computes its first tiles meanwhile
-instead of waiting at the barrier (the decode kernel's v10).
+Designs measured and dropped (benchmarks/NOTES.md, RS v2-v5): the tile
+staged whole in shared memory under one store (`drip` was faster at every
+measured shape), sender blocks forwarding partials staged in HBM (a gain at
+D = 2 only, below `drip`), and an in-kernel handshake instead of XLA's
+barrier (slower everywhere).
 
 Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
-zeroing that every block does before its first tile); later peer tiles wait
+zeroing, which the zeroer blocks do before their first tile); later peer tiles wait
 only for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
 block issues its pending signal before anything it waits for, and every
 block of the persistent grid (one per SM, at most the SM count) is resident
@@ -90,7 +79,6 @@ interpreter cannot run): that is how the schedule is tested on CPU.
 """
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +86,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
@@ -108,10 +95,6 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_NAME = "matmul_reduce_scatter"
 # Rows per device are padded up to a multiple of this before tiles are chosen.
 _ROW_QUANTUM = 64
-# Sender blocks of the "senders" variant: while the GEMM runs, one SM's TMA
-# stores into a peer carried ~13-15 GB/s (AG v13), so 16 carry the ~150 GB/s
-# that the partials need at D = 4, 8192 rows.
-_SENDERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,21 +109,13 @@ class MatmulReduceScatterConfig:
       divide the row chunks per block.
     add_all: zero the output first and reduce-add every partial (see the
       module); `default_config` sets it at D >= 3 past one wave.
-    senders: blocks that only forward the peers' partials, staged by the
-      computing blocks (see the module); 0: the computing blocks store into
-      the peers themselves. Experimental (`experimental_reason`); not with
-      add_all.
-    entry: meet the peers inside the kernel, not at XLA's barrier (see the
-      module). Experimental; not with add_all or senders.
     drip: send each peer tile's granules during the next K loop (see the
       module); needs one epilogue slot per granule (`with_drip`);
-      `default_config` sets it past one wave. Not with senders or entry.
+      `default_config` sets it past one wave.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
   add_all: bool = False
-  senders: int = 0
-  entry: bool = False
   drip: bool = False
 
   def padded_rows(self, rows: int) -> int:
@@ -193,18 +168,6 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   return with_drip(with_add_all(config) if axis_size >= 3 else config)
 
 
-def staged_epilogue(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
-  """`config` with each warpgroup's tile staged whole in shared memory (one
-  epilogue slot of the warpgroup tile), the ring one stage shallower to make
-  room, so that the compute warpgroups do not wait for their stores into
-  peers to drain over NVLink (benchmarks/NOTES.md, RS v2). A ring of 3 stages
-  does not run on across tiles when the K steps are not a multiple of 3."""
-  t = config.tiles
-  tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=t.tile_m,
-                              epi_tile_n=t.tile_n, epi_slots=1)
-  return dataclasses.replace(config, tiles=tiles)
-
-
 def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
   """`config` with the output zeroed first and every partial reduce-added
   (`MatmulReduceScatterConfig.add_all`)."""
@@ -214,7 +177,7 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
 def with_drip(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
   """`config` with peer tiles sent a granule at a time during the next K loop
   (`MatmulReduceScatterConfig.drip`): 64 x 64 granules, one shared-memory slot
-  each, the ring one stage shallower to make room (as `staged_epilogue`)."""
+  each, the ring one stage shallower to make room."""
   t = config.tiles
   epi_m, epi_n = min(64, t.tile_m), min(64, t.tile_n)
   tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=epi_m, epi_tile_n=epi_n,
@@ -223,22 +186,9 @@ def with_drip(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
 
 
 # The designs on `base_config`'s tiles, by name: benchmarked and GPU-tested
-# side by side with `default_config` (which takes the measured best of the
-# first four).
-VARIANTS = {"plain": lambda config: config, "staged": staged_epilogue, "add_all": with_add_all,
-            "staged_add_all": lambda config: staged_epilogue(with_add_all(config)),
-            "senders": lambda config: dataclasses.replace(config, senders=_SENDERS),
-            "entry": lambda config: dataclasses.replace(config, entry=True),
-            "drip": with_drip, "drip_add_all": lambda config: with_drip(with_add_all(config))}
-
-
-def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
-  """Why `config` is experimental (not faster on GPUs where measured), or None."""
-  for field in ("senders", "entry"):
-    if getattr(config, field):
-      return (f"config.{field} is experimental: it passes the GPU tests at D = 4 but was"
-              " slower than `default_config` at D = 4 (benchmarks/NOTES.md, RS v4-v5).")
-  return None
+# side by side with `default_config` (which takes the measured best).
+VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": with_drip,
+            "drip_add_all": lambda config: with_drip(with_add_all(config))}
 
 
 # Blocks that zero the output with add_all, at most.
@@ -270,27 +220,13 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, MatmulReduceScatterConfig):
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
-  if config.senders < 0 or (config.senders and config.add_all):
-    return (f"config.senders must be >= 0 and 0 with add_all, got {config.senders} with"
-            f" add_all={config.add_all}.")
-  if config.entry and (config.add_all or config.senders):
-    return "config.entry cannot be combined with add_all or senders."
   t = config.tiles
-  if config.drip and (config.senders or config.entry):
-    return "config.drip cannot be combined with senders or entry."
   if config.drip and t.epi_slots != (t.tile_m // t.epi_tile_m) * (t.tile_n // t.epi_tile_n):
     return ("config.drip needs one epilogue slot per granule (tiles.epi_slots = granules per"
             " warpgroup tile): build the config with `with_drip`.")
   padded = config.padded_rows(rows)
   return (t.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, padded, t.cta_m))
-
-
-class _Visit(NamedTuple):
-  """A block's visit of one tile, as `plgpu.nd_loop` describes it."""
-  index: tuple
-  local_index: object
-  num_local_steps: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,20 +281,12 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
   remote = exchange and d > 1
   add_all = remote and config.add_all
-  senders = config.senders if remote else 0
-  compute_grid = min(num_sms - senders, total)  # the blocks that run tiles
-  meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
   # drip also runs stand-alone, into the local buffer by step (CPU tests).
   drip = config.drip and d > 1
-  if (senders and add_all) or (meet and (senders or add_all)) or (drip and (senders or meet)):
-    raise ValueError("config.senders, config.entry and (config.add_all or config.drip): at most"
-                     " one.")
-  if compute_grid < 1:
-    raise ValueError(f"config.senders={senders} leaves none of the {num_sms} SMs to run tiles.")
-  grid = compute_grid + senders
-  zeroers = _zeroers(total, compute_grid)
+  grid = min(num_sms, total)
+  zeroers = _zeroers(total, grid)
 
-  def body(x_ref, w_ref, out_ref, *stage):
+  def body(x_ref, w_ref, out_ref):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
@@ -369,11 +297,6 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       # ready[o]: how many of device o's zeroing warpgroups (2 per zeroer
       # block) have zeroed their share of o's output (add_all).
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,))) if add_all else None
-      # staged[s, t]: the compute warpgroups that staged their half of peer
-      # tile (s, t) here for the senders (senders).
-      staged = pl.get_global(plgpu.SemaphoreType.REGULAR((d - 1, per_step))) if senders else None
-    stage_ref = stage[0] if senders else None
-    peers_in = entry.Entry(axis_name, d, me) if meet else None
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
@@ -440,14 +363,14 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
       def during_k(k_idx):
         """drip: the previous tile's granule g at K step phase + g * spacing."""
-        drip_out(scratch, lin - compute_grid, granules,
-                    when=lambda g: has_prev & (k_idx - phase == g * spacing))
+        drip_out(scratch, lin - grid, granules,
+                 when=lambda g: has_prev & (k_idx - phase == g * spacing))
 
       def send_late():
         """drip: the previous tile's granules whose step fell past the loop."""
         if core.num_granules * spacing - 1 >= core.k_steps:
-          drip_out(scratch, lin - compute_grid, granules,
-                      when=lambda g: has_prev & (phase + g * spacing >= core.k_steps))
+          drip_out(scratch, lin - grid, granules,
+                   when=lambda g: has_prev & (phase + g * spacing >= core.k_steps))
 
       if not exchange:
         if drip:
@@ -463,24 +386,13 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           core(scratch, a_rows, b_cols, out_ref.at[at], **order)
         return
 
-      if senders:
-        stage_tile(scratch, step, t, at, a_rows, b_cols, order)
-        return
-
       def after_k():
-        """On a block's first tile with `entry`, the peers have entered the
-        call (block 0's first warpgroup finds out); then the previous tile's
-        announcement, then what this tile waits for: a later sender for the
-        first sender's store, the owner for every peer's partial."""
-        if peers_in is not None:
-          @pl.when(info.local_index == 0)
-          @jax.named_scope("entry")
-          def _():
-            pl.when((sm == 0) & (wg == 0))(peers_in.porter)
-            peers_in.wait()
+        """The previous tile's late granules and announcement, then what this
+        tile waits for: a later sender for the first sender's store, any
+        sender for the owner's zeroing, the owner for every peer's partial."""
         if drip:
           send_late()
-        pl.when(has_prev)(lambda: announce(lin - compute_grid))
+        pl.when(has_prev)(lambda: announce(lin - grid))
         if first_in is not None:
           @pl.when((step > 0) & (step < d - 1))
           @jax.named_scope("wait_first")
@@ -488,7 +400,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
             pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
             signals.async_proxy_fence()
         if ready is not None:  # once per owner: the block's first tile of each step
-          @pl.when((info.local_index == 0) | ((lin - compute_grid) // per_step != step))
+          @pl.when((info.local_index == 0) | ((lin - grid) // per_step != step))
           @jax.named_scope("wait_ready")
           def _():
             pl.semaphore_wait(ready.at[owner(step)], 2 * zeroers, decrement=False)
@@ -507,74 +419,11 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         core(scratch, a_rows, b_cols, stores, after_k=after_k,
              during_k=during_k if drip else None, **order)
 
-    def wait_peers(step, t):
-      """An own tile, before its epilogue: every peer's half has landed."""
-      @pl.when(step == d - 1)
-      @jax.named_scope("wait_peers")
-      def _():
-        pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
-        signals.async_proxy_fence()
-
-    def stage_tile(scratch, step, t, at, a_rows, b_cols, order):
-      """senders: a peer tile's partial into the staging buffer, announced
-      here once stored; an own tile reduce-added once the peers' partials
-      have landed."""
-      def after_store():
-        @pl.when(step < d - 1)
-        @jax.named_scope("signal")
-        def _():
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          signals.signal(staged.at[step, t], "gpu")
-
-      stores = [gemm_core.TileStore(stage_ref.at[jnp.minimum(step, d - 2)].at[at], when=step < d - 1),
-                gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add")]
-      with jax.named_scope("tile"):
-        core(scratch, a_rows, b_cols, stores, after_k=lambda: wait_peers(step, t),
-             after_store=after_store, **order)
-
-    def send_staged(scratch, loaded):
-      """senders: warpgroup 0 of each sender block forwards staged peer tiles
-      (s, t), in tile order, round robin over the senders, granule by granule
-      through the epilogue's shared memory (`gemm_core.relay_tile`); then
-      announces each as the computing blocks would have."""
-      slots = [scratch["out_smem"].at[i, j] for i in range(2) for j in range(tiles.epi_slots)]
-
-      @pl.loop(sm - compute_grid, (d - 1) * per_step, step=senders)
-      def _(item):
-        step, t, chunk, n_idx = place(item)
-        at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
-        with jax.named_scope("wait_staged"):
-          pl.semaphore_wait(staged.at[step, t], 2, decrement=False)
-          signals.async_proxy_fence()
-        if first_in is not None:
-          @pl.when(step > 0)
-          @jax.named_scope("wait_first")
-          def _():
-            pl.semaphore_wait(first_in.at[step, t, 0], 1, decrement=False)
-            signals.async_proxy_fence()
-        stores = [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
-                                      when=step == s, reduction="add" if s else None)
-                  for s in range(d - 1)]
-        with jax.named_scope("forward"):
-          gemm_core.relay_tile(stage_ref.at[step].at[at], stores, slots, loaded,
-                               (tiles.epi_tile_m, tiles.epi_tile_n))
-        for s in range(d - 1):
-          @pl.when(step == s)
-          def _(s=s):
-            for half in range(2):
-              signals.signal(plgpu.remote_ref(landed.at[t, half], {axis_name: owner(s)}), "sys")
-        if first_in is not None:
-          @pl.when(step == 0)
-          def _():
-            for s in range(1, d - 1):
-              later = {axis_name: lax.rem(me - s + d, d)}
-              signals.signal(plgpu.remote_ref(first_in.at[s, t, 0], later), "sys")
-
     def zero_own_share(scratch):
-      """The compute warpgroups zero this block's share of the output's tiles,
-      then tell every device (add_all)."""
+      """The zeroer blocks' compute warpgroups zero their share of the
+      output's tiles, then tell every device (add_all)."""
       def tiles_of_block(store):
-        @pl.loop(sm - (compute_grid - zeroers), per_step, step=zeroers)
+        @pl.loop(sm - (grid - zeroers), per_step, step=zeroers)
         def _(t):
           chunk, n_idx = t // n_tiles, t % n_tiles
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
@@ -586,50 +435,29 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
 
     @jax.named_scope("tiles")
-    def run_tiles(loaded=None, **scratch):
+    def run_tiles(**scratch):
       if add_all:
-        pl.when((wg < 2) & (sm >= compute_grid - zeroers))(
+        pl.when((wg < 2) & (sm >= grid - zeroers))(
             jax.named_scope("zero")(lambda: zero_own_share(scratch)))
-      if not senders:
-        @plgpu.nd_loop((total,), collective_axes="sm")
-        def _(info):
-          tile(scratch, info)
 
-        if drip:  # the block's last tile has no next K loop to send it in
-          mine = (total - sm + compute_grid - 1) // compute_grid
-          pl.when((wg < 2) & (mine > 0))(lambda: drip_out(
-              scratch, sm + (mine - 1) * compute_grid, range(core.num_granules)))
-        return
+      @plgpu.nd_loop((total,), collective_axes="sm")
+      def _(info):
+        tile(scratch, info)
 
-      @pl.when(sm < compute_grid)
-      def _():
-        mine = (total - sm + compute_grid - 1) // compute_grid
+      if drip:  # the block's last tile has no next K loop to send it in
+        mine = (total - sm + grid - 1) // grid
+        pl.when((wg < 2) & (mine > 0))(lambda: drip_out(
+            scratch, sm + (mine - 1) * grid, range(core.num_granules)))
 
-        @pl.loop(0, mine)
-        def _(i):
-          tile(scratch, _Visit((sm + i * compute_grid,), i, mine))
-
-      pl.when((sm >= compute_grid) & (wg == 0))(
-          jax.named_scope("send")(lambda: send_staged(scratch, loaded)))
-
-    extra = {}
-    if senders:  # a sender's granule loads, one barrier per shared-memory slot
-      extra["loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2 * tiles.epi_slots)
-    pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref),
-                  **extra)
-    if remote and not senders:
+    pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
+    if remote:
       # The block's last tile, announced by the warpgroups that stored it.
       mine = (total - sm + grid - 1) // grid
       pl.when((wg < 2) & (mine > 0))(lambda: announce(sm + (mine - 1) * grid))
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
-  out_type = jax.ShapeDtypeStruct(shape, x.dtype)
-  if senders:  # the staging buffer: an output that nothing reads afterwards
-    out_type = (out_type, jax.ShapeDtypeStruct((d - 1, padded, n), x.dtype))
-  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_type, num_sms=grid,
-                         interpret=interpret, skip_device_barrier=meet)(x, w)
-  if senders:
-    out = out[0]
+  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
+                         num_sms=grid, interpret=interpret)(x, w)
   out = out[..., :rows, :]
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))
