@@ -49,11 +49,9 @@ class GemmTiles:
     epi_tile_m, epi_tile_n: the epilogue's store granule.
     epi_slots: shared-memory slots per compute warpgroup that the epilogue's
       granules alternate through; a granule waits until the store of the one
-      `epi_slots` before it has read its slot. One slot holding the whole
-      warpgroup tile (epi_tile = tile) lets the epilogue return as soon as
-      the tile is in shared memory, its stores draining under the next tile's
-      K loop: for stores into a peer, which read shared memory at NVLink
-      speed (benchmarks/NOTES.md, RS v2).
+      `epi_slots` before it has read its slot. One slot per granule keeps the
+      whole warpgroup tile in shared memory after the epilogue, for stores
+      issued later (`store_staged_granule`; the RS kernel's drip).
   """
   tile_m: int = 128
   tile_n: int = 128

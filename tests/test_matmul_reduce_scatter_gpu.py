@@ -148,9 +148,9 @@ def test_repeated_calls_over_poisoned_memory():
 @pytest.mark.parametrize("shape", [DEFAULT_SHAPES[0], (8 * 40, 1024, 2560), (2048, 2048, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_each_design_over_poisoned_memory(variant, shape):
-  """Each design on the base tiles (`kernel.VARIANTS`: the tile staged whole,
-  the output zeroed first and every partial reduce-added, sender blocks, the
-  in-kernel entry): every device's rows,
+  """Each design on the base tiles (`kernel.VARIANTS`: plain, the output
+  zeroed first and every partial reduce-added, peer tiles sent a granule at a
+  time during the next K loop, with and without add_all): every device's rows,
   3 calls with new data each after a NaN fill of the memory the next output
   takes (a partial added to a stale or unzeroed tile
   shows up as NaN or a wrong value)."""
