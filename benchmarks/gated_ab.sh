@@ -35,9 +35,10 @@ case "${OP:-}" in
   rs)
     TESTS=tests/test_matmul_reduce_scatter_gpu.py; BENCH=benchmarks.matmul_reduce_scatter
     TT=${TT:-70}; PRE="each_design and "
-    declare -A K=([plain]="plain" [add_all]="add_all and not drip" [drip]="drip and not add_all"
-                  [drip_add_all]="drip_add_all")
-    ORDER="plain add_all drip drip_add_all"
+    declare -A K=([plain]="plain" [add_all]="add_all and not drip"
+                  [drip]="drip and not add_all and not lag2" [drip_add_all]="drip_add_all and not lag2"
+                  [drip_lag2]="drip_lag2" [drip_add_all_lag2]="drip_add_all_lag2")
+    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2"
     BASE="pallas,user_bsp,gemm_alone,reduce_scatter_alone";;
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul

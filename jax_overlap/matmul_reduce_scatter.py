@@ -69,6 +69,10 @@ _AUTO_MIN_ROWS = {1: 0, 2: 128}
 _AUTO_MIN_ROWS_MANY = 512
 
 
+def _pallas_caveat(p: Problem) -> str | None:
+  return kernel.experimental_reason(_kernel_config(p))
+
+
 def _key(p: Problem) -> str:
   """The problem's key in the auto table."""
   return tuned.problem_key(p.axis_size, p.m, p.k_shard, p.n, p.dtype)
@@ -116,7 +120,7 @@ def _fused_bwd(axis_name, config, residuals, d_out):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 _OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
-                           tuned.measured_first(OP, _key, _rows_rule))),
+                           tuned.measured_first(OP, _key, _rows_rule)), _pallas_caveat),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))
 _XLA = {

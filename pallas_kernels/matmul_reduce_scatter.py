@@ -42,7 +42,10 @@ tile's TMA loads queue behind them (benchmarks/NOTES.md, RS hypothesis H4,
 confirmed by the D = 4 profile: the tile after a peer tile took 102 kcyc
 against 70 without the exchange, its epilogue unchanged). Spread over the K
 loop, a granule meets a link that is mostly idle and leaves at once. The
-announcement (one tile late) is unchanged.
+announcement stays one tile late; with `config.announce_lag=2`
+(experimental) it comes a tile later still, so that it awaits only stores
+issued a whole tile before instead of the last granules of the loop just
+ended, and the block's last two tiles are announced after its loop.
 
 With `config.add_all` (with drip, the default at D >= 3 past one wave), each
 device first zeroes its own output and announces that to every device
@@ -112,11 +115,17 @@ class MatmulReduceScatterConfig:
     drip: send each peer tile's granules during the next K loop (see the
       module); needs one epilogue slot per granule (`with_drip`);
       `default_config` sets it past one wave.
+    announce_lag: with drip, how many tiles after a peer tile its
+      announcement comes: 1 (the default) after the next tile's K loop,
+      awaiting all of the tile's granules, some issued a few K steps before;
+      2 a tile later, awaiting only groups issued a whole tile earlier
+      (experimental: the v6 profile put ~7 kcyc per tile in `signal`).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
   add_all: bool = False
   drip: bool = False
+  announce_lag: int = 1
 
   def padded_rows(self, rows: int) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -174,7 +183,8 @@ def with_add_all(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig
   return dataclasses.replace(config, add_all=True)
 
 
-def with_drip(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
+def with_drip(config: MatmulReduceScatterConfig, announce_lag: int = 1
+              ) -> MatmulReduceScatterConfig:
   """`config` with peer tiles sent a granule at a time during the next K loop
   (`MatmulReduceScatterConfig.drip`): 64 x 64 granules, one shared-memory slot
   each, the ring one stage shallower to make room."""
@@ -182,13 +192,23 @@ def with_drip(config: MatmulReduceScatterConfig) -> MatmulReduceScatterConfig:
   epi_m, epi_n = min(64, t.tile_m), min(64, t.tile_n)
   tiles = dataclasses.replace(t, stages=max(2, t.stages - 1), epi_tile_m=epi_m, epi_tile_n=epi_n,
                               epi_slots=(t.tile_m // epi_m) * (t.tile_n // epi_n))
-  return dataclasses.replace(config, tiles=tiles, drip=True)
+  return dataclasses.replace(config, tiles=tiles, drip=True, announce_lag=announce_lag)
 
 
 # The designs on `base_config`'s tiles, by name: benchmarked and GPU-tested
 # side by side with `default_config` (which takes the measured best).
 VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": with_drip,
-            "drip_add_all": lambda config: with_drip(with_add_all(config))}
+            "drip_add_all": lambda config: with_drip(with_add_all(config)),
+            "drip_lag2": lambda config: with_drip(config, announce_lag=2),
+            "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2)}
+
+
+def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
+  """Why `config` is experimental (not yet measured faster on GPUs), or None."""
+  if config.announce_lag != 1:
+    return (f"config.announce_lag={config.announce_lag} is experimental: not yet run on GPUs"
+            " (benchmarks/NOTES.md, RS v8).")
+  return None
 
 
 # Blocks that zero the output with add_all, at most.
@@ -200,6 +220,13 @@ def _zeroers(total: int, grid: int) -> int:
   with a tile fewer than the first `total % grid` blocks, at most _ZEROERS."""
   fewer = grid - total % grid if total % grid else grid
   return min(_ZEROERS, fewer)
+
+
+def _late_granules(k_steps: int, tiles: gemm_core.GemmTiles) -> bool:
+  """drip: whether some block sends a granule after the next K loop."""
+  granules = (tiles.tile_m // tiles.epi_tile_m) * (tiles.tile_n // tiles.epi_tile_n)
+  spacing, _ = _drip_steps(k_steps, granules)
+  return granules * spacing - 1 >= k_steps
 
 
 def _drip_steps(k_steps: int, granules: int) -> tuple[int, int]:
@@ -221,6 +248,11 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
   if not isinstance(config, MatmulReduceScatterConfig):
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
   t = config.tiles
+  if config.announce_lag not in (1, 2) or (config.announce_lag == 2 and not config.drip):
+    return f"config.announce_lag must be 1, or 2 with drip; got {config.announce_lag}."
+  if config.announce_lag == 2 and _late_granules(k_shard // t.tile_k, t):
+    return (f"config.announce_lag=2 needs every granule sent inside the next K loop: K_shard ="
+            f" {k_shard} has too few K steps for {t.epi_slots} granules; use announce_lag=1.")
   if config.drip and t.epi_slots != (t.tile_m // t.epi_tile_m) * (t.tile_n // t.epi_tile_n):
     return ("config.drip needs one epilogue slot per granule (tiles.epi_slots = granules per"
             " warpgroup tile): build the config with `with_drip`.")
@@ -283,6 +315,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   add_all = remote and config.add_all
   # drip also runs stand-alone, into the local buffer by step (CPU tests).
   drip = config.drip and d > 1
+  lag = config.announce_lag if drip else 1
   grid = min(num_sms, total)
   zeroers = _zeroers(total, grid)
 
@@ -309,15 +342,16 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     # descriptors.
     owner = lambda s: lax.rem(me + 1 + s, d)
 
-    def announce(lin):
+    def announce(lin, pending: int = 0):
       """A compute warpgroup: its half of tile `lin` has landed at the owner
-      (and, from step 0, at the later senders) if it was a peer's tile."""
+      (and, from step 0, at the later senders) if it was a peer's tile; the
+      `pending` newest bulk groups, issued after the tile's, need not have."""
       step, t, _, _ = place(lin)
 
       @pl.when(step < d - 1)
       @jax.named_scope("signal")
       def _():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=False)
         for s in range(d - 1):
           pl.when(step == s)(lambda s=s: signals.signal(
               plgpu.remote_ref(landed.at[t, wg], {axis_name: owner(s)}), "sys"))
@@ -392,7 +426,11 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         sender for the owner's zeroing, the owner for every peer's partial."""
         if drip:
           send_late()
-        pl.when(has_prev)(lambda: announce(lin - grid))
+        if lag == 1:
+          pl.when(has_prev)(lambda: announce(lin - grid))
+        else:  # pending: the previous tile's epilogue groups and its granules' groups
+          pl.when(info.local_index > 1)(
+              lambda: announce(lin - 2 * grid, pending=2 * core.num_granules))
         if first_in is not None:
           @pl.when((step > 0) & (step < d - 1))
           @jax.named_scope("wait_first")
@@ -451,9 +489,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
     pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
     if remote:
-      # The block's last tile, announced by the warpgroups that stored it.
+      # The block's last `lag` tiles, announced by the warpgroups that stored them.
       mine = (total - sm + grid - 1) // grid
-      pl.when((wg < 2) & (mine > 0))(lambda: announce(sm + (mine - 1) * grid))
+      for back in range(lag, 0, -1):
+        pl.when((wg < 2) & (mine >= back))(lambda back=back: announce(sm + (mine - back) * grid))
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)

@@ -290,9 +290,10 @@ def test_auto_follows_the_decode_table_over_all_three_impls(winner, monkeypatch,
 
 
 def test_explain_marks_experimental_kernel_configs(monkeypatch):
-  """A config that was slower on GPUs than the default (AG stream) runs when
-  passed, and `explain` says that it is experimental; the defaults (at D = 4:
-  AG send="ring", RS drip + add_all) carry no caveat."""
+  """A config that was slower on GPUs than the default (AG stream) or not yet
+  run there (RS announce_lag=2) runs when passed, and `explain` says that it
+  is experimental; the defaults (at D = 4: AG send="ring", RS drip + add_all)
+  carry no caveat."""
   from pallas_kernels import all_gather_matmul as agk  # pylint: disable=import-outside-toplevel
   from pallas_kernels import matmul_reduce_scatter as rsk  # pylint: disable=import-outside-toplevel
   _as_on_hopper(monkeypatch)
@@ -305,8 +306,12 @@ def test_explain_marks_experimental_kernel_configs(monkeypatch):
   assert ag_default.send == "ring" and rs_default.add_all and rs_default.drip
   streamed = jax_overlap.explain_all_gather_matmul(
       *ag_args, axis_size=4, impl="pallas", config=dataclasses.replace(ag_default, stream=True))
-  assert streamed.impl == "pallas" and "stream" in streamed.caveat
-  assert "experimental" in streamed.caveat and "caveat: " in str(streamed)
+  lagged = jax_overlap.explain_matmul_reduce_scatter(
+      *rs_args, axis_size=4, impl="pallas", config=rsk.VARIANTS["drip_add_all_lag2"](
+          rsk.base_config(2048, 4096, 4096, BF16, axis_size=4, num_sms=132)))
+  for choice, field in ((streamed, "stream"), (lagged, "announce_lag")):
+    assert choice.impl == "pallas" and field in choice.caveat and "experimental" in choice.caveat
+    assert "caveat: " in str(choice)
 
 
 def test_explain_with_an_axis_name_checks_the_processes(monkeypatch):

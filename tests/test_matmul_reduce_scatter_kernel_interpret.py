@@ -347,3 +347,26 @@ def test_zeroers_are_the_blocks_with_a_tile_fewer(total, grid, expected):
   per_step = 64
   shares = [t for sm in range(first, grid) for t in range(sm - first, per_step, zeroers)]
   assert sorted(shares) == list(range(per_step))
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("variant", ["drip_lag2", "drip_add_all_lag2"])
+def test_announcing_two_tiles_late_lowers_for_cuda(d, variant):
+  """announce_lag=2 (experimental): a tile announced after the K loop two
+  tiles on, awaiting all but the newest two tiles' worth of bulk groups, and
+  the block's last two tiles after its loop; it lowers for CUDA and explain
+  flags it."""
+  m, k, n = 512 * d, 4096, 4096
+  config = rs.VARIANTS[variant](rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  assert config.announce_lag == 2 and rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  assert "announce_lag=2 is experimental" in rs.experimental_reason(config)
+  assert f"{rs.KERNEL_NAME}_mosaic_gpu" in _cuda_module(config, m, k, n, d)
+
+
+@pytest.mark.parametrize("config,k,words", [
+    (rs.MatmulReduceScatterConfig(announce_lag=2), 4096, "announce_lag must be 1, or 2 with drip"),
+    (rs.with_drip(_config(128, "n"), announce_lag=3), 4096, "announce_lag must be 1, or 2"),
+    (rs.with_drip(_config(128, "n"), announce_lag=2), 64, "too few K steps"),
+], ids=["without_drip", "lag3", "late_granules"])
+def test_bad_announce_lags_are_rejected(config, k, words):
+  assert words in rs.unsupported_reason(128, k, 256, BF16, config)
