@@ -362,6 +362,30 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
               later = {axis_name: lax.rem(me - s + d, d)}
               signals.signal(plgpu.remote_ref(first_in.at[s, t, wg], later), "sys")
 
+    def waits(lin):
+      """Whether tile `lin` waits for a peer's announcement before its
+      epilogue: an own tile (for the peers' partials) or, without add_all, a
+      later sender's (for the first sender's store)."""
+      step = place(lin)[0]
+      w = step == d - 1
+      if first_in is not None:
+        w = w | ((step > 0) & (step < d - 1))
+      return w
+
+    def announce_lagged(lin, i):
+      """announce_lag=2, at the after-K of the block's i-th tile `lin`: tile
+      i - 2, awaiting all but the newest 2 x granules bulk groups (tile i - 1's
+      epilogue and its granules), unless tile i - 1 announced it; and, before
+      a tile that waits, tile i - 1 too, so that a block never waits with a
+      tile unannounced (deadlock freedom). Each tile is announced once."""
+      prev, older = lin - grid, lin - 2 * grid
+      due = (i >= 2) & jnp.logical_not(waits(prev))
+      now = waits(lin)
+      pl.when(due & now)(lambda: announce(older))
+      pl.when(due & jnp.logical_not(now))(
+          lambda: announce(older, pending=2 * core.num_granules))
+      pl.when((i >= 1) & now)(lambda: announce(prev))
+
     def peer_stores(lin):
       """The destinations of tile `lin` in its owner, if a peer's (stand-alone:
       the local buffer of its step)."""
@@ -428,9 +452,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           send_late()
         if lag == 1:
           pl.when(has_prev)(lambda: announce(lin - grid))
-        else:  # pending: the previous tile's epilogue groups and its granules' groups
-          pl.when(info.local_index > 1)(
-              lambda: announce(lin - 2 * grid, pending=2 * core.num_granules))
+        else:
+          announce_lagged(lin, info.local_index)
         if first_in is not None:
           @pl.when((step > 0) & (step < d - 1))
           @jax.named_scope("wait_first")
@@ -489,10 +512,14 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
     pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
     if remote:
-      # The block's last `lag` tiles, announced by the warpgroups that stored them.
+      # The block's unannounced tiles (its last; with announce_lag=2 also the
+      # one before unless the last waited), by the warpgroups that stored them.
       mine = (total - sm + grid - 1) // grid
-      for back in range(lag, 0, -1):
-        pl.when((wg < 2) & (mine >= back))(lambda back=back: announce(sm + (mine - back) * grid))
+      last = sm + (mine - 1) * grid
+      if lag == 2:
+        pl.when((wg < 2) & (mine >= 2) & jnp.logical_not(waits(last)))(
+            lambda: announce(last - grid))
+      pl.when((wg < 2) & (mine > 0))(lambda: announce(last))
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
