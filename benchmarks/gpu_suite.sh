@@ -52,7 +52,7 @@ step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records f
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
 python3 -c "import jax; print(jax.__version__, jax.devices())" > "$OUT/jax.txt" 2>&1
 
-step gpu_tests python3 -m pytest -m gpu tests -q --timeout="$TEST_TIMEOUT_S"
+step gpu_tests python3 -m pytest -m "gpu and not experimental" tests -q --timeout="$TEST_TIMEOUT_S"
 
 step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" \
     --iterations="$ITERATIONS" --tune_budget_s="$TUNE_BUDGET_S"

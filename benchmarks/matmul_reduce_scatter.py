@@ -117,7 +117,8 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       spmd.per_shard(jnp.dot, mesh, (X_SPEC, W_SPEC), P(AXIS, None)), args)
   return [
       runner.Case("pallas", "ours", lambda: _pallas(mesh, explain, args)),
-      *(runner.Case(f"pallas_{v}", "ours", functools.partial(_pallas_variant, shape, ctx, v))
+      *(runner.Case(f"pallas_{v}", "ours", functools.partial(_pallas_variant, shape, ctx, v),
+                    opt_in=rs_kernel.experimental_variant(v))
         for v in rs_kernel.VARIANTS),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
@@ -145,8 +146,8 @@ OP = runner.OpSpec(
     comm_alone="reduce_scatter_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
-    contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "user_bsp", "gemm_alone",
-                "reduce_scatter_alone"),
+    contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "user_bsp",
+                "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

@@ -76,12 +76,15 @@ class Case:
   checked: whether its output is the op's output, to compare with the reference.
   floor: the case's own floor from the op's, for a case that does only part
     of the op's work (e.g. its communication alone); None: the op's.
+  opt_in: runs only when named by --impls or --only (e.g. a kernel design
+    never run on GPUs, which might hang).
   """
   name: str
   role: str
   build: Callable[[], Built]
   checked: bool = True
   floor: Callable[[harness.Floor], harness.Floor] | None = None
+  opt_in: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +187,10 @@ def parse_shapes(op: OpSpec, on_gpu: bool) -> tuple:
   return tuple(shapes)
 
 
-def _selected(name: str) -> bool:
+def _selected(name: str, opt_in: bool = False) -> bool:
   if _ONLY.value:
     return name == _ONLY.value
-  return not _IMPLS.value or name in _IMPLS.value
+  return name in _IMPLS.value if _IMPLS.value else not opt_in
 
 
 def _check_names(cases: list[Case]) -> None:
@@ -314,7 +317,7 @@ def _main(op: OpSpec) -> None:
     _check_names(shape_cases)
     shape_records, contenders = [], {}
     for case in shape_cases:
-      if not _selected(case.name):
+      if not _selected(case.name, case.opt_in):
         continue
       child = children.get(case.name)
       if child is None:

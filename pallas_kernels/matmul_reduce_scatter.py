@@ -211,6 +211,12 @@ def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
   return None
 
 
+def experimental_variant(name: str) -> bool:
+  """Whether `VARIANTS[name]` is experimental: benchmarks and the GPU suite
+  run it only when asked for by name."""
+  return experimental_reason(VARIANTS[name](MatmulReduceScatterConfig())) is not None
+
+
 # Blocks that zero the output with add_all, at most.
 _ZEROERS = 16
 

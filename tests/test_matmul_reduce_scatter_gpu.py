@@ -144,7 +144,9 @@ def test_repeated_calls_over_poisoned_memory():
       _check(f(x, w), expected, BF16, f"call {i}", x.shape[1])
 
 
-@pytest.mark.parametrize("variant", list(kernel.VARIANTS))
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=pytest.mark.experimental) if kernel.experimental_variant(v) else v
+    for v in kernel.VARIANTS])
 @pytest.mark.parametrize("shape", [DEFAULT_SHAPES[0], (8 * 40, 1024, 2560), (2048, 2048, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_each_design_over_poisoned_memory(variant, shape):

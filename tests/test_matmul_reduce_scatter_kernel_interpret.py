@@ -370,3 +370,10 @@ def test_announcing_two_tiles_late_lowers_for_cuda(d, variant):
 ], ids=["without_drip", "lag3", "late_granules"])
 def test_bad_announce_lags_are_rejected(config, k, words):
   assert words in rs.unsupported_reason(128, k, 256, BF16, config)
+
+
+def test_only_the_announce_lag_variants_are_experimental():
+  """Benchmarks and the GPU suite leave experimental variants out unless
+  named; the measured ones stay in."""
+  assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {"drip_lag2",
+                                                                     "drip_add_all_lag2"}
