@@ -3,7 +3,7 @@ same model on the best BSP paths, per step, at several axis sizes in one call.
 
     python -m benchmarks.transformer [--quick] [--models=70b,8b] [--steps=train,prefill,decode]
         [--axis_sizes=4,2] [--model_layers=8] [--iterations=0] [--time_budget_s=540]
-        [--decode_bsp_impl=pallas_bsp] [--out_dir=benchmarks/results] [--fresh]
+        [--decode_bsp_impl=pallas_bsp] [--out_dir=benchmarks/results] [--fresh] [--one_process]
 
 Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
   fused  impl="auto" for every collective op and flash_decode: our Pallas
@@ -20,7 +20,9 @@ Steps (random weights, `--model_layers` layers under lax.scan, bf16 on GPU):
   decode   one token for each of B sequences over caches of S positions, the
            cache donated and updated in place (B 8, 32, 128; S 8K, 32K, 128K;
            the lengths start 512 below S, so every device's shard is full).
-Cases that do not fit in memory (XLA's memory analysis of the compiled step,
+Several axis sizes run one process each (unless --one_process), in order, within
+the time budget, adding to the same JSON. Cases that do not fit in memory
+(XLA's memory analysis of the compiled step,
 against the free memory of device 0) are skipped, as is everything once
 --time_budget_s has passed; a case that fails is recorded with its error and
 the run goes on.
@@ -45,6 +47,8 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 
@@ -84,6 +88,10 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
     "decode_bsp_impl", "", "flash_decode impl of the bsp model; empty: pallas_bsp (the Triton"
     " local kernel, all-gather, merge) on GPUs, xla_bsp elsewhere.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
+_ONE_PROCESS = flags.DEFINE_bool(
+    "one_process", False, "Run every axis size in this process. By default several axis sizes"
+    " run one process each, so that memory one D fragmented or held never fails the next D's"
+    " cases (sessions 24-25: the D = 2 training step ran out of memory after the D = 4 cases).")
 _MEMORY_FRACTION = flags.DEFINE_float(
     "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
     " device 0's free memory.")
@@ -479,8 +487,56 @@ def _plan(on_gpu: bool) -> tuple[list[str], dict, list[int], int, int]:
   return models, {s: shapes[s] for s in _STEPS.value}, sizes, layers, iterations
 
 
+def passed_on(argv: list[str]) -> list[str]:
+  """The command-line arguments a per-D process gets as they are: all but
+  --axis_sizes, --time_budget_s and --[no]fresh, which it gets its own of."""
+  own = ("--axis_sizes", "--time_budget_s", "--fresh", "--nofresh")
+  args, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a in own[:2]:  # "--flag value"
+      skip = True
+    elif not (a in own or a.startswith(tuple(f"{o}=" for o in own))):
+      args.append(a)
+  return args
+
+
+def _each_size_apart(sizes: list[str]) -> int:
+  """Runs this command once per axis size, each in a process of its own
+  within what is left of the time budget (they add to the same JSON), then
+  prints the run's table. Returns the exit status: 1 if a process failed."""
+  start, started = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+  args = passed_on(sys.argv[1:])
+  failed = []
+  for i, d in enumerate(sizes):
+    left = _TIME_BUDGET_S.value - (time.monotonic() - start)
+    if left < 30:
+      print(f"transformer: D = {d} not run: {left:.0f} s of the time budget left", flush=True)
+      continue
+    fresh = ["--fresh"] if _FRESH.value and i == 0 else []
+    cmd = [sys.executable, "-m", "benchmarks.transformer", f"--axis_sizes={d}",
+           f"--time_budget_s={left:.0f}", *fresh, *args]
+    print(f"transformer: D = {d} in a process of its own: {' '.join(cmd[1:])}", flush=True)
+    if (rc := subprocess.run(cmd, check=False).returncode) != 0:
+      failed.append(f"D = {d} (exit status {rc})")
+  paths = sorted(pathlib.Path(flags.FLAGS.out_dir).glob("*_transformer.json"),
+                 key=lambda p: p.stat().st_mtime)
+  if paths:
+    since = started.isoformat(timespec="seconds")
+    records = [r for r in json.loads(paths[-1].read_text())["records"]
+               if r.get("time_utc", "") >= since]
+    print(f"\ntransformer: this run's records in {paths[-1]}:")
+    print("\n".join(table(records)))
+  if failed:
+    print(f"transformer: failed: {', '.join(failed)}", flush=True)
+  return 1 if failed else 0
+
+
 def main(argv) -> None:
   del argv
+  if len(_AXIS_SIZES.value) > 1 and not _ONE_PROCESS.value:
+    sys.exit(_each_size_apart(_AXIS_SIZES.value))
   start = time.monotonic()
   deadline = start + _TIME_BUDGET_S.value
   # Before the first device use: the D = 2 training step (70b-like) needs one

@@ -103,3 +103,12 @@ def test_a_skipped_case_keeps_the_earlier_record():
   assert kept == [rec("a", "ok", 1.0)]
   assert merged == [rec("a", "ok", 1.0), rec("b", "failed"), rec("c", "ok", 4.0),
                     rec("d", "skipped")]
+
+
+def test_each_axis_size_gets_the_other_arguments_as_they_are():
+  """Several axis sizes run one process each: every argument but the axis
+  sizes, the time budget and --fresh passes on unchanged."""
+  argv = ["--quick", "--axis_sizes=4,2", "--time_budget_s", "300", "--fresh", "--models=70b",
+          "--steps=prefill", "--fresh_cache_example", "--iterations=5"]
+  assert bench.passed_on(argv) == ["--quick", "--models=70b", "--steps=prefill",
+                                   "--fresh_cache_example", "--iterations=5"]
