@@ -160,13 +160,13 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
 
   Past one wave, `drip` (peer tiles sent a granule at a time during the next
   K loop), with `add_all` at D >= 3; in one wave, `base_config`. Side by side
-  on 4 H100s (benchmarks/NOTES.md, RS v6; results/h100x{4,2}_matmul_reduce_
-  scatter.json, K_shard 4096): at D = 4 drip + add_all took 131 µs against
+  on 4 H100s (benchmarks/NOTES.md, RS v6-v7; results/h100x{4,2}_matmul_reduce_
+  scatter*.json, K_shard 4096): at D = 4 drip + add_all took 120 µs against
   146 for staged + add_all (the previous default) at 512 rows per device (1.9
-  waves) and 697 against 759 at 2048 rows (13.6 waves); at D = 2 drip took 102
-  against 119 (plain) at 1024 rows and 659 against 719 (staged) at 4096, where
-  add_all cost 8% and 4%. In one wave (64 and 256 rows per device at D = 4)
-  plain was the fastest of the v3 designs (RS v3); drip is unmeasured there.
+  waves) and 684 against 759 at 2048 rows (13.6 waves); at D = 2 drip took
+  104 against 119 (plain) at 1024 rows and 655 against 719 (staged) at 4096,
+  where add_all cost 3-8%. In one wave (16-64 rows per device at D = 4)
+  plain, drip and drip + add_all were within the rounds' spread (RS v7).
   """
   config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   padded = config.padded_rows(rows)
