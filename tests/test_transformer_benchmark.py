@@ -8,18 +8,16 @@ from absl import flags
 import jax
 import pytest
 
+import testkit
 from benchmarks import model_table
 from benchmarks import transformer as bench
 
 
 @pytest.fixture
 def quick_run(tmp_path):
-  flags.FLAGS(["bench", "--quick", "--axis_sizes=2", "--model_layers=1", "--iterations=1",
-               f"--out_dir={tmp_path}"])
-  try:
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--quick", "--axis_sizes=2", "--model_layers=1",
+                                          "--iterations=1", f"--out_dir={tmp_path}"]):
     bench.main(None)
-  finally:
-    flags.FLAGS.unparse_flags()
   return json.loads((tmp_path / "cpux8_transformer.json").read_text())
 
 
@@ -67,24 +65,26 @@ def test_a_step_out_of_memory_is_retried_once_with_fresh_parameters(tmp_path, mo
   second failure stands."""
   real_run, calls = bench._run_case, []
 
+  def failed(case, reason):  # the fields every record has, as _run_case writes them
+    return {"key": case.key, "model": case.model, "d": case.d, "step": case.step,
+            "shape": case.shape, "variant": case.variant.name, "status": "failed",
+            "reason": reason}
+
   def flaky(case, config, holder, mesh, iterations, deadline):
     calls.append(case.key)
     if case.key.endswith("/train/b2_s64/fused") and calls.count(case.key) == 1:
       for a in jax.tree.leaves(holder["params"]):
         a.delete()  # as a donating step that failed leaves them
-      return {"key": case.key, "status": "failed",
-              "reason": "out of memory: JaxRuntimeError: RESOURCE_EXHAUSTED | trace"}
+      return failed(case, "out of memory: JaxRuntimeError: RESOURCE_EXHAUSTED | trace")
     if case.key.endswith("/train/b2_s64/bsp"):
-      return {"key": case.key, "status": "failed", "reason": "out of memory: again | trace"}
+      return failed(case, "out of memory: again | trace")
     return real_run(case, config, holder, mesh, iterations, deadline)
 
   monkeypatch.setattr(bench, "_run_case", flaky)
-  flags.FLAGS(["bench", "--quick", "--axis_sizes=2", "--model_layers=1", "--iterations=1",
-               "--steps=train", f"--out_dir={tmp_path}"])
-  try:
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--quick", "--axis_sizes=2", "--model_layers=1",
+                                          "--iterations=1", "--steps=train",
+                                          f"--out_dir={tmp_path}"]):
     bench.main(None)
-  finally:
-    flags.FLAGS.unparse_flags()
   records = {r["key"]: r for r in json.loads(
       (tmp_path / "cpux8_transformer.json").read_text())["records"]}
   fused, bsp = records["tiny/D2/train/b2_s64/fused"], records["tiny/D2/train/b2_s64/bsp"]
