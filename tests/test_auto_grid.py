@@ -5,6 +5,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
+import testkit
 from benchmarks import auto_grid
 from jax_overlap import tuned
 
@@ -38,11 +39,9 @@ def test_every_grid_point_is_a_problem_the_kernels_tile():
 
 
 def test_decode_points_cover_the_grid_within_the_memory_cap():
-  auto_grid.FLAGS(["auto_grid", "--batches=1,128", "--caches=8192,131072", "--max_kv_gib=8"])
-  try:
+  with testkit.parsed_flags(auto_grid.FLAGS, ["auto_grid", "--batches=1,128",
+                                              "--caches=8192,131072", "--max_kv_gib=8"]):
     points = auto_grid.GRIDS["flash_decode"].points(["70b"], 2)
-  finally:
-    auto_grid.FLAGS.unparse_flags()
   # 128 x 131072 positions x 8 KV heads x 128 x 2 (K, V) x 2 bytes / 2 devices = 32 GiB.
   assert {(p.column, p.row) for p in points} == {("b1", 8192), ("b1", 131072), ("b128", 8192)}
   assert {p.shape for p in points if p.column == "b1"} == {(1, 64, 8, 128, 4096),
@@ -53,12 +52,9 @@ def test_every_decode_point_is_a_problem_the_kernel_takes():
   """At D = 2 and 4 every default decode point fits the fused kernel's
   config (so the grid measures it, not its refusal)."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
-  auto_grid.FLAGS(["auto_grid"])
-  try:
+  with testkit.parsed_flags(auto_grid.FLAGS, ["auto_grid"]):
     points = [p for d in (2, 4) for p in auto_grid.GRIDS["flash_decode"].points(
         list(auto_grid.MODELS), d)]
-  finally:
-    auto_grid.FLAGS.unparse_flags()
   assert len(points) > 40
   for p in points:
     b, hq, hkv, dh, s_shard = p.shape
@@ -90,13 +86,11 @@ def test_the_table_holds_each_timed_points_winner(tmp_path, monkeypatch):
 
 
 def test_a_cpu_smoke_run_writes_the_points(tmp_path):
-  auto_grid.FLAGS(["auto_grid", "--ops=matmul_reduce_scatter,flash_decode", "--models=8b",
-                    "--rows=16", "--batches=2", "--caches=1024", "--axis_sizes=2",
-                    "--iterations=1", f"--out_dir={tmp_path}"])
-  try:
+  with testkit.parsed_flags(auto_grid.FLAGS, [
+      "auto_grid", "--ops=matmul_reduce_scatter,flash_decode", "--models=8b", "--rows=16",
+      "--batches=2", "--caches=1024", "--axis_sizes=2", "--iterations=1",
+      f"--out_dir={tmp_path}"]):
     auto_grid.main()
-  finally:
-    auto_grid.FLAGS.unparse_flags()
   [path] = tmp_path.glob("*_auto_grid.json")
   points = json.loads(path.read_text())["points"]
   assert {(p["op"], p["column"], p["row"], p["d"]) for p in points} == {

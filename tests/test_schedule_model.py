@@ -2,6 +2,7 @@
 
 import pytest
 
+import testkit
 from benchmarks import schedule_model as model
 
 
@@ -35,11 +36,9 @@ def test_half_the_link_nearly_doubles_the_excess_where_the_exchange_is_the_bound
 
 
 def test_the_command_prints_one_row_per_shape(capsys):
-  model.FLAGS(["schedule_model", "--axis_sizes=2,4", "--shapes=1024x4096x4096,512x8192x7168"])
-  try:
+  with testkit.parsed_flags(model.FLAGS, ["schedule_model", "--axis_sizes=2,4",
+                                          "--shapes=1024x4096x4096,512x8192x7168"]):
     model.main()
-  finally:
-    model.FLAGS.unparse_flags()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
   assert [row.split(" | ")[0] for row in rows] == ["| 1024x4096x4096", "| 512x8192x7168"]
   assert rows[0].startswith("| 1024x4096x4096 | D = 2: 1.15 / 1.15 / 1.05 / 1.05 | D = 4: ")
@@ -65,12 +64,9 @@ def test_rs_at_two_devices_has_no_later_senders():
 
 
 def test_the_rs_command_prints_every_variant(capsys):
-  model.FLAGS(["schedule_model", "--op=matmul_reduce_scatter", "--axis_sizes=4",
-               "--shapes=2048x4096x4096"])
-  try:
+  with testkit.parsed_flags(model.FLAGS, ["schedule_model", "--op=matmul_reduce_scatter",
+                                          "--axis_sizes=4", "--shapes=2048x4096x4096"]):
     model.main()
-  finally:
-    model.FLAGS.unparse_flags()
   out = capsys.readouterr().out
   assert "plain, add_all, drip, drip_add_all" in out
   [row] = [line for line in out.splitlines() if line.startswith("| ")]

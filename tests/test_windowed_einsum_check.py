@@ -2,6 +2,7 @@
 
 import numpy as np
 
+import testkit
 from benchmarks import windowed_einsum_check
 
 
@@ -13,11 +14,9 @@ def test_the_global_view_dot_matches_float64_by_row_block():
 
 
 def test_the_command_runs_each_flag_set_in_its_own_process(capsys):
-  windowed_einsum_check.FLAGS(["windowed_einsum_check", "--axis_sizes=2", "--shape=16x128x64"])
-  try:
+  with testkit.parsed_flags(windowed_einsum_check.FLAGS,
+                            ["windowed_einsum_check", "--axis_sizes=2", "--shape=16x128x64"]):
     windowed_einsum_check.main()
-  finally:
-    windowed_einsum_check.FLAGS.unparse_flags()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("D=2 ")]
   assert [row.split()[1] for row in rows] == list(windowed_einsum_check.FLAG_SETS)
   assert all("(ok)" in row for row in rows)

@@ -1,8 +1,9 @@
-"""Meshes, sharded placement and random data shared by the tests.
+"""Meshes, sharded placement, random data and command-line flags shared by the tests.
 
 Imported after conftest.py has set XLA_FLAGS (pytest loads conftest first).
 """
 
+import contextlib
 import math
 import zlib
 
@@ -12,6 +13,17 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
+
+@contextlib.contextmanager
+def parsed_flags(flag_values, argv: list[str]):
+  """absl `flag_values` parsed from `argv` (argv[0] the program) inside the
+  block, back to unparsed after it, so that tests do not leak flags."""
+  flag_values(argv)
+  try:
+    yield
+  finally:
+    flag_values.unparse_flags()
+
 
 AXIS = "x"
 AXIS_SIZES = (1, 2, 4, 8)
