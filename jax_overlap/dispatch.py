@@ -26,11 +26,11 @@ logger = logging.getLogger("jax_overlap")
 
 # Why "auto" keeps the fused kernels out of multi-process jobs for now.
 MULTI_PROCESS_REASON = (
-    "in a multi-process job (jax.process_count() > 1) the fused kernels are unverified: on 4 H100s"
-    " with 2 processes x 2 GPUs and the op's axis inside each process they failed while XLA set"
-    " up their peer addresses (NCCL ncclGetPeerDevicePointer: 'unhandled system error', then"
-    " 'Window address must be suitably aligned'; BUILD.md, multi-process jobs), so impl='auto'"
-    " takes the XLA path; impl='pallas' runs them.")
+    "in a multi-process job (jax.process_count() > 1) the fused kernels failed on every layout"
+    " tried (H100s, 2 x 2 GPUs with the op's axis inside each process, 2 x 1 with it across):"
+    " XLA's setup of their peer addresses stops in NCCL (ncclGetPeerDevicePointer: 'unhandled"
+    " system error'; BUILD.md, multi-process jobs), so impl='auto' takes the XLA path;"
+    " impl='pallas' runs them, to try another cluster.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,11 @@ before it touches a device) turns into `jax.distributed.initialize`: the
 coordinator on the loopback address at one free port the launcher picked, the
 process id and count. On CPU, `--devices_per_process=N` splits each process's
 CPU into N devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`); on
-GPU, `--gpus_per_process=K` gives process i the GPUs [i K, (i+1) K) through
-`CUDA_VISIBLE_DEVICES`. NVLink multicast stays off in every process
+GPU, `--gpus_per_process=K` gives process i the GPUs [i K, (i+1) K): through
+`CUDA_VISIBLE_DEVICES` (the process sees only its own GPUs), or with
+`--all_gpus_visible` through `jax.distributed.initialize(local_device_ids=...)`
+while every process sees every GPU, as a cluster that does not isolate the
+GPUs of a host's tasks runs them. NVLink multicast stays off in every process
 (`NCCL_NVLS_ENABLE=0`, `NVSHMEM_DISABLE_NVLS=1`,
 `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`), whatever the caller's environment says.
 
@@ -40,6 +43,8 @@ import time
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
+# With all_gpus_visible: this process's GPUs, read by `initialize`.
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 # The coordinator (process 0) listens on loopback only, not on every interface.
 ENV_COORDINATOR_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
 NO_MULTICAST = {
@@ -99,6 +104,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def process_env(process_id: int, num_processes: int, port: int, *,
                 devices_per_process: int | None = None,
                 gpus_per_process: int | None = None,
+                all_gpus_visible: bool = False,
                 base: Mapping[str, str] | None = None) -> dict[str, str]:
   """The environment of process `process_id` of a launch (see the module doc)."""
   env = dict(os.environ if base is None else base)
@@ -115,13 +121,17 @@ def process_env(process_id: int, num_processes: int, port: int, *,
     env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices_per_process}"])
   if gpus_per_process is not None:
     first = process_id * gpus_per_process
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(first, first + gpus_per_process)))
+    ids = ",".join(map(str, range(first, first + gpus_per_process)))
+    env[ENV_LOCAL_DEVICE_IDS if all_gpus_visible else "CUDA_VISIBLE_DEVICES"] = ids
+  elif all_gpus_visible:
+    raise ValueError("all_gpus_visible needs gpus_per_process.")
   return env
 
 
 def launch(command: Sequence[str], num_processes: int, *,
            devices_per_process: int | None = None,
            gpus_per_process: int | None = None,
+           all_gpus_visible: bool = False,
            timeout_s: float = 600.0,
            env: Mapping[str, str] | None = None,
            cwd: str | None = None,
@@ -133,6 +143,8 @@ def launch(command: Sequence[str], num_processes: int, *,
     num_processes: how many processes.
     devices_per_process: CPU devices per process (sets XLA_FLAGS).
     gpus_per_process: GPUs per process, a slice of CUDA_VISIBLE_DEVICES each.
+    all_gpus_visible: every process sees every GPU and takes its slice as
+      `local_device_ids` instead (needs gpus_per_process).
     timeout_s: wall-clock limit of the whole launch; then every process is
       killed and the result says timed_out.
     env: the base environment (default: this process's), before the
@@ -166,7 +178,8 @@ def launch(command: Sequence[str], num_processes: int, *,
           list(command), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
           env=process_env(i, num_processes, port, devices_per_process=devices_per_process,
-                          gpus_per_process=gpus_per_process, base=env))
+                          gpus_per_process=gpus_per_process,
+                          all_gpus_visible=all_gpus_visible, base=env))
       procs.append(p)
       t = threading.Thread(target=read, args=(i, p.stdout), daemon=True)
       t.start()
@@ -235,9 +248,11 @@ def initialize() -> int:
 
   process_id = int(os.environ[ENV_PROCESS_ID])
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  local = os.environ.get(ENV_LOCAL_DEVICE_IDS)
   jax.distributed.initialize(os.environ[ENV_COORDINATOR],
                              num_processes=int(os.environ[ENV_NUM_PROCESSES]),
-                             process_id=process_id)
+                             process_id=process_id,
+                             local_device_ids=[int(i) for i in local.split(",")] if local else None)
   sys.excepthook = _exit_on_exception
   return process_id
 
@@ -259,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="CPU devices per process (XLA_FLAGS device count).")
   parser.add_argument("--gpus_per_process", type=int, default=None,
                       help="GPUs per process: process i sees GPUs [i*K, (i+1)*K).")
+  parser.add_argument("--all_gpus_visible", action="store_true",
+                      help="Every process sees every GPU and takes its K as local_device_ids.")
   parser.add_argument("--timeout_s", type=float, default=600.0,
                       help="End every process after this many seconds (exit status 124).")
   parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -267,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not command:
     parser.error("no command given after --")
   result = launch(command, args.num_processes, devices_per_process=args.devices_per_process,
-                  gpus_per_process=args.gpus_per_process, timeout_s=args.timeout_s)
+                  gpus_per_process=args.gpus_per_process,
+                  all_gpus_visible=args.all_gpus_visible, timeout_s=args.timeout_s)
   print(f"launch: {result.summary()}", file=sys.stderr)
   return result.returncode if result.returncode >= 0 else 128 - result.returncode
 

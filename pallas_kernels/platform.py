@@ -44,10 +44,13 @@ def axis_process_reason(axis_name) -> str | None:
   Call it while tracing inside `jax.shard_map` (under `jax.jit` or not) over
   a mesh that has `axis_name` (a name or a tuple of names). The kernels are
   built and checked with every peer in the calling process (peer buffers
-  through XLA's collective metadata); peers in other processes would need
-  NVSHMEM (`--xla_gpu_experimental_enable_nvshmem`), not supported yet. Other
-  mesh axes may span processes (one process per host, tensor parallelism
-  inside it).
+  through XLA's collective metadata). Peers in other processes are out of
+  reach in jax 0.11.2: Mosaic GPU's NVSHMEM path is switched on by
+  `--xla_gpu_experimental_enable_nvshmem`, which this jaxlib's XLA rejects
+  ("Unknown flag in XLA_FLAGS"), and XLA's collective metadata across
+  processes failed on the project's GPUs (BUILD.md, multi-process jobs).
+  Other mesh axes may span processes (one process per host, tensor
+  parallelism inside it).
 
   The rule, by what is visible while tracing:
   - one process (`jax.process_count() == 1`): None;
@@ -86,8 +89,8 @@ def axis_process_reason(axis_name) -> str | None:
     return (
         f"the fused kernels need all devices of mesh axis {axis_name!r} in one process, but"
         f" here the axis spans {processes}"
-        f" of the {num_processes} processes; peers in other processes would need NVSHMEM,"
-        " which the kernels do not support yet." + advice
+        f" of the {num_processes} processes; the kernels cannot reach peers in other processes"
+        " (NVSHMEM cannot be enabled in jax 0.11.2; BUILD.md, multi-process jobs)." + advice
     )
 
   if size > jax.local_device_count():

@@ -21,6 +21,7 @@ Scenarios:
     inside each process: impl="pallas" and "auto" against impl="xla_bsp",
     element by element, repeated calls, a layer scan; then back-to-back
     timings (`TIME` lines). With P = 1 it is the single-process baseline.
+  gpu_tp_inside_auto: the same with impl="auto" only (no timings).
   gpu_tp_across: P processes x 1 GPU, "tp" across them: the support check
     refuses the kernels, impl="auto" takes XLA, impl="pallas" raises; results,
     repeated calls and a layer scan against impl="xla_bsp".
@@ -566,9 +567,11 @@ def _choice_logged(trace) -> str:
 
 
 def check_gpu_across_refused(mesh):
-  """"tp" across processes: auto takes the XLA path, naming the reason;
-  impl="pallas" raises ValueError with it; `explain` says so too where it
-  can be told the axis."""
+  """"tp" across processes: auto takes a path without the fused kernels,
+  naming the reason (the matmuls XLA's; the decode `pallas_bsp`, the local
+  Triton kernel with XLA's all-gather, which needs no peer addresses);
+  impl="pallas" raises ValueError with it; `explain` says so too where it can
+  be told the axis."""
   import inspect  # pylint: disable=import-outside-toplevel
   reason = reasons_inside(mesh, ("tp",))["tp"]
   assert reason and "NVSHMEM" in reason, reason
@@ -577,10 +580,10 @@ def check_gpu_across_refused(mesh):
   with jax.set_mesh(mesh):
     ag_args = _placed_ag(mesh, x, w)
     dec_args = _placed_decode(mesh, q, k, v, lens)
-    for op, fn, args in (("all_gather_matmul", _ag_fn, ag_args),
-                         ("flash_decode", _decode_fn, dec_args)):
+    for op, fn, args, want in (("all_gather_matmul", _ag_fn, ag_args, "xla_bsp"),
+                               ("flash_decode", _decode_fn, dec_args, "pallas_bsp")):
       logged = _choice_logged(lambda: fn(mesh, "auto").trace(*args))  # pylint: disable=cell-var-from-loop
-      assert f"{op}: impl='auto' -> xla_bsp; pallas rejected:" in logged, logged
+      assert f"{op}: impl='auto' -> {want}; pallas rejected:" in logged, logged
       assert "NVSHMEM" in logged, logged
       try:
         fn(mesh, "pallas").trace(*args)
@@ -610,6 +613,7 @@ SCENARIOS = {
     "hang": scenario_hang,
     "crash": scenario_crash,
     "gpu_tp_inside": scenario_gpu_tp_inside,
+    "gpu_tp_inside_auto": functools.partial(scenario_gpu_tp_inside, "auto"),
     "gpu_tp_across": scenario_gpu_tp_across,
     "gpu_code_on_cpu": scenario_gpu_code_on_cpu,
 }

@@ -7,8 +7,10 @@ CPU: 2 processes x 4 CPU devices (gloo collectives), mesh ("dp", "tp") =
 fixture) and every process prints one `CHECK <name> PASS|FAIL|SKIP` line per
 check; each test here asserts one check's line in every process.
 
-GPU (`gpu` marker, 4 Hopper GPUs): 2 processes x 2 GPUs with the kernels on
-"tp" inside each process, and 4 processes x 1 GPU with "tp" across them.
+GPU (`gpu` marker, Hopper GPUs): 2 processes x 2 GPUs with "tp" inside each
+process (`auto`, which takes the XLA paths in a multi-process job; the kernels
+in an `experimental` test of their own), and one process per GPU with "tp"
+across them.
 """
 
 import os
@@ -95,6 +97,16 @@ def test_launcher_environment_and_prefixed_output(capsys):
     assert (nvls, shmem_nvls) == ("0", "1")  # multicast off, whatever the caller set
   printed = capsys.readouterr().out
   assert f"[p0] 0|2|127.0.0.1:{port}" in printed and f"[p1] 1|2|127.0.0.1:{port}" in printed
+
+
+def test_launcher_all_gpus_visible():
+  """Every process sees every GPU and is told its own as local device ids."""
+  env = launch.process_env(1, 2, 1234, gpus_per_process=2, all_gpus_visible=True,
+                           base={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+  assert env[launch.ENV_LOCAL_DEVICE_IDS] == "2,3"
+  assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # left as the caller set it
+  with pytest.raises(ValueError, match="gpus_per_process"):
+    launch.process_env(0, 2, 1234, all_gpus_visible=True, base={})
 
 
 def test_first_failure_ends_the_others():
@@ -193,72 +205,78 @@ def test_gpu_checks_run_on_cpu(gpu_code_on_cpu_job):
     _assert_passed(gpu_code_on_cpu_job, name)
 
 
-# --- GPUs (the 4-GPU machine) ------------------------------------------------------
+# --- GPUs ----------------------------------------------------------------------------
 
 GPU_TIMEOUT_S = 480
-_NVSHMEM = "--xla_gpu_experimental_enable_nvshmem"
 
 
-def _gpu_env(nvshmem: bool) -> dict[str, str]:
+def _gpu_env() -> dict[str, str]:
   # This pytest process already holds GPU memory (conftest looks at the GPUs):
   # the workers allocate as they go instead of taking 75% of each GPU up front.
-  flags = os.environ.get("XLA_FLAGS", "") + (f" {_NVSHMEM}" if nvshmem else "")
-  return _env(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)
+  return _env(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
 
 
-def _four_gpus():
-  if len(jax.devices()) < 4:
-    pytest.skip(f"needs 4 GPUs, found {len(jax.devices())}")
+def _gpus(n: int) -> None:
+  if len(jax.devices()) < n:
+    pytest.skip(f"needs {n} GPUs, found {len(jax.devices())}")
 
 
-def _gpu_job(scenario, num_processes, gpus_per_process, nvshmem):
+def _gpu_job(scenario, num_processes, gpus_per_process):
   result = _run(scenario, num_processes, GPU_TIMEOUT_S, gpus_per_process=gpus_per_process,
-                env=_gpu_env(nvshmem))
+                env=_gpu_env())
   print(result.text())  # every process's output, shown with -s or on failure
   return result
 
 
-GPU_INSIDE_CHECKS = ["support_inside", "all_gather_matmul_pallas", "flash_decode_pallas",
-                     "all_gather_matmul_auto", "flash_decode_auto",
-                     "matmul_reduce_scatter_pallas", "layer_scan_pallas"]
+GPU_INSIDE_CHECKS = ["support_inside", "all_gather_matmul_auto", "flash_decode_auto",
+                     "matmul_reduce_scatter_auto", "layer_scan_auto"]
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
+def test_gpu_tp_inside_processes():
+  """2 processes x 2 GPUs, ("dp", "tp") = (2, 2), "tp" inside each process:
+  impl="auto" (the XLA paths in a multi-process job, `dispatch.single_process`)
+  against impl="xla_bsp" element by element, repeated calls, a layer scan."""
+  _gpus(4)
+  job = _gpu_job("gpu_tp_inside_auto", 2, 2)
+  for name in GPU_INSIDE_CHECKS:
+    _assert_passed(job, name)
+  _assert_clean(job)
+
+
+@pytest.mark.gpu
+@pytest.mark.experimental
 @pytest.mark.timeout(2 * GPU_TIMEOUT_S + 120, method="thread")
-@pytest.mark.parametrize("nvshmem", [False, True], ids=["metadata", "nvshmem"])
-def test_gpu_tp_inside_processes(nvshmem):
-  """2 processes x 2 GPUs, ("dp", "tp") = (2, 2): the kernels on "tp" inside
-  each process against impl="xla_bsp" element by element, repeated calls, a
-  layer scan; then 1 process x 2 GPUs, the same program, as the baseline.
-  The TIME lines of both (back-to-back µs per call) are printed for the
-  comparison with single-process speed; not asserted. With and without
-  NVSHMEM enabled in XLA (Mosaic GPU then addresses peers through it)."""
-  _four_gpus()
-  job = _gpu_job("gpu_tp_inside", 2, 2, nvshmem)
-  baseline = _gpu_job("gpu_tp_inside", 1, 2, nvshmem)
+def test_gpu_kernels_tp_inside_processes():
+  """The kernels (impl="pallas") in the same 2 x 2 layout, then 1 process x 2
+  GPUs as the single-process baseline, with timings (`TIME` lines, printed,
+  not asserted). Fails on the GPU machines of this project (sessions 25-26):
+  XLA's peer addressing for a Mosaic GPU kernel in a multi-process job stops
+  in NCCL (ncclGetPeerDevicePointer: 'unhandled system error'; BUILD.md), which
+  is why `auto` keeps the kernels out of multi-process jobs. Kept to try the
+  layout where that may differ (another cluster, another jaxlib)."""
+  _gpus(4)
+  job = _gpu_job("gpu_tp_inside", 2, 2)
+  baseline = _gpu_job("gpu_tp_inside", 1, 2)
   times = [[line[line.index("TIME"):] for line in lines if "TIME " in line]
            for lines in (*job.outputs, baseline.outputs[0])]
   print("2 x 2 GPU timings, process 0 / process 1 / 1 x 2 baseline:", *times, sep="\n")
-  skipped = []
-  for name in GPU_INSIDE_CHECKS:
-    try:
-      _assert_passed(job, name)
-    except pytest.skip.Exception as e:
-      skipped.append(f"{name}: {e}")
+  for name in ("support_inside", "all_gather_matmul_pallas", "flash_decode_pallas",
+               "matmul_reduce_scatter_pallas", "layer_scan_pallas"):
+    _assert_passed(job, name)
   _assert_clean(job)
   _assert_clean(baseline)
-  if skipped:
-    print("skipped:", *skipped, sep="\n")
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
 def test_gpu_tp_across_processes():
-  """4 processes x 1 GPU, "tp" across them: the kernels refused with the
-  reason (auto -> xla_bsp, pallas raises), results, repeated calls and a layer
-  scan equal to impl="xla_bsp"."""
-  _four_gpus()
-  job = _gpu_job("gpu_tp_across", 4, 1, nvshmem=False)
+  """One process per GPU (every GPU present, >= 2), "tp" across them: the
+  kernels refused with the reason (auto -> xla_bsp, pallas raises), results,
+  repeated calls and a layer scan equal to impl="xla_bsp"."""
+  _gpus(2)
+  job = _gpu_job("gpu_tp_across", len(jax.devices()), 1)
   for name in ("across_refused", "all_gather_matmul_auto", "flash_decode_auto",
                "layer_scan_auto"):
     _assert_passed(job, name)
