@@ -361,8 +361,35 @@ def _mlp(x, p, ops: _Ops):
   c = ops.config
   w = p["w_gate_up"]  # [H, 2, F / D]: this device's gate columns, then its up columns
   gate_up = ops.ag(_rms_norm(x, p["norm_mlp"], c.eps), w.reshape(w.shape[0], -1))
+  return x + ops.mrs(_swiglu(gate_up), p["w_down"])
+
+
+@jax.custom_vjp
+def _swiglu(gate_up):
+  """silu(gate) * up in float32, back in gate_up's dtype: [N, 2 F / D] -> [N, F / D].
+
+  Its backward pass keeps only gate_up (its input, bf16 in the model) and
+  recomputes the rest, where plain autodiff keeps float32 gate and up: at 8
+  70B-like layers, 8192 tokens and D = 2 the training step's temporary memory
+  fell from 41.5 to 27.7 GiB (XLA's memory analysis on an H100; with the
+  fused kernels 43.7 to 29.7 GiB, which fits)."""
   gate, up = jnp.split(gate_up.astype(_F32), 2, axis=-1)
-  return x + ops.mrs((jax.nn.silu(gate) * up).astype(x.dtype), p["w_down"])
+  return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
+
+
+def _swiglu_fwd(gate_up):
+  return _swiglu(gate_up), gate_up
+
+
+def _swiglu_bwd(gate_up, d_out):
+  gate, up = jnp.split(gate_up.astype(_F32), 2, axis=-1)
+  sig = jax.nn.sigmoid(gate)
+  d = d_out.astype(_F32)
+  d_gate = d * up * sig * (1 + gate * (1 - sig))  # d silu(g) / dg = sig (1 + g (1 - sig))
+  return (jnp.concatenate([d_gate, d * gate * sig], axis=-1).astype(gate_up.dtype),)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _layers(params, tokens, ops: _Ops, *, keep_kv: bool):
