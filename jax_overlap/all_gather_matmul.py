@@ -73,9 +73,17 @@ def _key(p: Problem) -> str:
 _AUTO_BSP_MAX_ROWS = 128
 _AUTO_BSP_MIN_COLS = 8192
 _AUTO_BSP_MAX_NARROW_COLS = 4096  # at D >= 3
+# At D = 2 the auto grid (session 26, H100, 70B-like) measured the kernel
+# slower than BSP at 256 rows per device against both widths (1.40x at 5120
+# columns, 1.12x at 28672) and faster from 1024 rows (512 x 8192 x 7168 per
+# shard: 1.27x ahead in session 24).
+_AUTO_BSP_D2_BELOW_ROWS = 512
 
 
 def _small_m_rule(p: Problem) -> str | None:
+  if p.axis_size == 2 and _AUTO_BSP_MAX_ROWS < p.m_shard < _AUTO_BSP_D2_BELOW_ROWS:
+    return (f"measured slower than BSP at D = 2 with 256 rows per device (auto grid, H100);"
+            f" BSP below {_AUTO_BSP_D2_BELOW_ROWS} rows ({p.m_shard} here); impl='pallas' runs it.")
   if p.m_shard > _AUTO_BSP_MAX_ROWS:
     return None
   if p.n_shard >= _AUTO_BSP_MIN_COLS:

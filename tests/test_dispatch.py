@@ -183,11 +183,12 @@ def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, im
 
 @pytest.mark.parametrize("d,m_shard,n_shard,impl", [
     (4, 128, 14336, "xla_bsp"), (4, 128, 7168, "pallas"), (4, 256, 14336, "pallas"),
-    (4, 128, 2560, "xla_bsp"), (2, 128, 2560, "pallas"), (4, 256, 2560, "pallas")])
+    (4, 128, 2560, "xla_bsp"), (2, 128, 2560, "pallas"), (4, 256, 2560, "pallas"),
+    (2, 256, 5120, "xla_bsp"), (2, 256, 28672, "xla_bsp"), (2, 512, 5120, "pallas")])
 def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(d, m_shard, n_shard, impl, monkeypatch):
-  """Decode-size rows against wide weights (any D), or narrow ones at D >= 3,
-  were reported slower than BSP: "auto" declines the kernel there and says
-  why; named, it runs."""
+  """Decode-size rows against wide weights (any D), narrow ones at D >= 3, and
+  129-511 rows at D = 2 were measured or reported slower than BSP: "auto"
+  declines the kernel there and says why; named, it runs."""
   from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
