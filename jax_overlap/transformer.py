@@ -378,7 +378,11 @@ def _swiglu(gate_up):
 
 
 def _swiglu_fwd(gate_up):
-  return _swiglu(gate_up), gate_up
+  # The barrier keeps XLA from writing the residual straight from the fused
+  # all-gather matmul that made gate_up: its dynamic-slice fusion cloned the
+  # (side-effecting, never merged) kernel into the layer loop, one more launch
+  # per layer (session 26, the D = 2 training step's optimized HLO).
+  return _swiglu(gate_up), lax.optimization_barrier(gate_up)
 
 
 def _swiglu_bwd(gate_up, d_out):
