@@ -572,7 +572,6 @@ def check_gpu_across_refused(mesh):
   Triton kernel with XLA's all-gather, which needs no peer addresses);
   impl="pallas" raises ValueError with it; `explain` says so too where it can
   be told the axis."""
-  import inspect  # pylint: disable=import-outside-toplevel
   reason = reasons_inside(mesh, ("tp",))["tp"]
   assert reason and "NVSHMEM" in reason, reason
   x, w = _ag_inputs(mesh, "gpu across")
