@@ -37,6 +37,7 @@ class Problem:
   n_shard: int
   dtype: np.dtype
   config: object | None
+  w_transposed: bool = False
   # Why the axis's devices are not all in this process (the kernels need
   # them to be), or None: `platform.axis_process_reason`.
   process_reason: str | None = None
@@ -68,67 +69,77 @@ def _key(p: Problem) -> str:
 # projections): against wide weights (>= 8K columns per device) about 2x the
 # time of XLA's BSP path at D = 2 and 4; against narrow ones (~2.5K columns)
 # 0.90x of BSP's speed at D = 4; at 128 x 8192 x 7168 per shard the kernel was
-# still 1.05x ahead at D = 4. Until the grid measures the boundaries
-# (benchmarks/auto_grid.py), "auto" keeps the first two on BSP.
+# still 1.05x ahead at D = 4. The D = 2 auto grid (session 27, H100, 8B / 70B /
+# 405B-like, results/h100x2_auto_grid.json) agrees at 64 rows: 0.53-0.83x
+# against >= 14336 columns, 0.64x against 3072, 1.02x against 5120. Shapes
+# that the auto tables hold follow the tables; these rules are for the rest.
 _AUTO_BSP_MAX_ROWS = 128
 _AUTO_BSP_MIN_COLS = 8192
-_AUTO_BSP_MAX_NARROW_COLS = 4096  # at D >= 3
-# At D = 2 the auto grid (session 26, H100, 70B-like) measured the kernel
-# slower than BSP at 256 rows per device against both widths (1.40x at 5120
-# columns, 1.12x at 28672) and faster from 1024 rows (512 x 8192 x 7168 per
-# shard: 1.27x ahead in session 24).
+_AUTO_BSP_MAX_NARROW_COLS = 4096
+# At D = 2 the same grid measured the kernel slower than BSP at 256 rows per
+# device with K >= 8192 (0.66-0.90x, both projections of the 70B and 405B-like
+# models) and faster with K = 4096 (1.15-1.30x, 8B-like), and faster from 1024
+# rows everywhere but the 405B-like gate-up (0.98-1.0x).
 _AUTO_BSP_D2_BELOW_ROWS = 512
+_AUTO_BSP_D2_MIN_K = 8192
 
 
 def _small_m_rule(p: Problem) -> str | None:
-  if p.axis_size == 2 and _AUTO_BSP_MAX_ROWS < p.m_shard < _AUTO_BSP_D2_BELOW_ROWS:
-    return (f"measured slower than BSP at D = 2 with 256 rows per device (auto grid, H100);"
-            f" BSP below {_AUTO_BSP_D2_BELOW_ROWS} rows ({p.m_shard} here); impl='pallas' runs it.")
+  if (p.axis_size == 2 and _AUTO_BSP_MAX_ROWS < p.m_shard < _AUTO_BSP_D2_BELOW_ROWS
+      and p.k >= _AUTO_BSP_D2_MIN_K):
+    return (f"measured slower than BSP at D = 2 with 256 rows per device and K >="
+            f" {_AUTO_BSP_D2_MIN_K} (auto grid, H100); BSP below {_AUTO_BSP_D2_BELOW_ROWS} rows"
+            f" at such K ({p.m_shard} x {p.k} here); impl='pallas' runs it.")
   if p.m_shard > _AUTO_BSP_MAX_ROWS:
     return None
   if p.n_shard >= _AUTO_BSP_MIN_COLS:
-    return (f"reported about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
+    return (f"measured about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
             f" >= {_AUTO_BSP_MIN_COLS} columns per device ({p.m_shard} x {p.n_shard} here);"
             " impl='pallas' runs it.")
-  if p.axis_size >= 3 and p.n_shard <= _AUTO_BSP_MAX_NARROW_COLS:
-    return (f"reported slower than BSP (0.90x) at D >= 3 with <= {_AUTO_BSP_MAX_ROWS} rows and"
-            f" <= {_AUTO_BSP_MAX_NARROW_COLS} columns per device ({p.m_shard} x {p.n_shard}"
-            " here); impl='pallas' runs it.")
+  if p.n_shard <= _AUTO_BSP_MAX_NARROW_COLS:
+    return (f"measured slower than BSP (0.64x at D = 2, 0.90x at D = 4) with <="
+            f" {_AUTO_BSP_MAX_ROWS} rows and <= {_AUTO_BSP_MAX_NARROW_COLS} columns per device"
+            f" ({p.m_shard} x {p.n_shard} here); impl='pallas' runs it.")
   return None
 
 
-def _run_kernel(x, w, axis_name, config, return_gathered: bool):
+def _run_kernel(x, w, axis_name, config, return_gathered: bool, w_transposed: bool):
   return kernel.all_gather_matmul(x, w, axis_name=axis_name, config=config,
-                                  num_sms=platform.num_sms(), return_gathered=return_gathered)
+                                  num_sms=platform.num_sms(), return_gathered=return_gathered,
+                                  w_transposed=w_transposed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fused(x, w, axis_name, config, return_gathered: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fused(x, w, axis_name, config, return_gathered: bool, w_transposed: bool):
   """out, or (out, gathered x), from the fused kernel, differentiable.
 
-  The backward pass is the dual op: dx = reduce-scatter(dout @ w^T) over the
-  axis (`matmul_reduce_scatter`, plus the reduce-scatter of a cotangent of the
-  gathered x), and dw = gathered^T @ dout. Differentiated, the kernel always
-  keeps the gathered x for that; otherwise only if it is returned.
+  The backward pass is the dual op: dx = reduce-scatter(dout @ W^T) over the
+  axis (`matmul_reduce_scatter` on the same w, its layout flipped: no
+  transpose is copied; plus the reduce-scatter of a cotangent of the gathered
+  x), and dW = gathered^T @ dout, where W is w or w.T. Differentiated, the
+  kernel always keeps the gathered x for that; otherwise only if it is
+  returned.
   """
-  out, gathered = _run_kernel(x, w, axis_name, config, return_gathered)
+  out, gathered = _run_kernel(x, w, axis_name, config, return_gathered, w_transposed)
   return (out, gathered) if return_gathered else out
 
 
-def _fused_fwd(x, w, axis_name, config, return_gathered: bool):
-  out, gathered = _run_kernel(x, w, axis_name, config, True)
+def _fused_fwd(x, w, axis_name, config, return_gathered: bool, w_transposed: bool):
+  out, gathered = _run_kernel(x, w, axis_name, config, True, w_transposed)
   return ((out, gathered) if return_gathered else out), (x, gathered, w)
 
 
-def _fused_bwd(axis_name, config, return_gathered: bool, residuals, cotangents):
+def _fused_bwd(axis_name, config, return_gathered: bool, w_transposed: bool, residuals,
+               cotangents):
   del config
   x, gathered, w = residuals
   d_out, d_gathered = cotangents if return_gathered else (cotangents, None)
-  dx = matmul_reduce_scatter(d_out, w.T, axis_name=axis_name)
+  dx = matmul_reduce_scatter(d_out, w, axis_name=axis_name, w_transposed=not w_transposed)
   if d_gathered is not None:
     dx = dx + lax.psum_scatter(d_gathered, axis_name, scatter_dimension=0,
                                tiled=True).astype(dx.dtype)
-  dw = jnp.dot(gathered.T, d_out, preferred_element_type=jnp.float32).astype(w.dtype)
+  a, b = (d_out, gathered) if w_transposed else (gathered, d_out)
+  dw = jnp.dot(a.T, b, preferred_element_type=jnp.float32).astype(w.dtype)
   return vma.sum_to_varying_of(dx, x), vma.sum_to_varying_of(dw, w)
 
 
@@ -136,7 +147,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _pallas(x, w, axis_name, return_gathered, problem):
-  return _fused(x, w, axis_name, _kernel_config(problem), return_gathered)
+  return _fused(x, w, axis_name, _kernel_config(problem), return_gathered, problem.w_transposed)
 
 
 _OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
@@ -149,21 +160,23 @@ _XLA = {
 }
 
 
-def _bind(x, w, axis_size: int, config) -> Problem:
+def _bind(x, w, axis_size: int, config, w_transposed: bool) -> Problem:
+  layout = "[N_shard, K] (w_transposed=True)" if w_transposed else "[K, N_shard]"
   _validate.check_rank("x", x, 2, "[M_shard, K]")
-  _validate.check_rank("w", w, 2, "[K, N_shard]")
-  (m_shard, k), (k_w, n_shard) = x.shape, w.shape
+  _validate.check_rank("w", w, 2, layout)
+  m_shard, k = x.shape
+  k_w, n_shard = w.shape[::-1] if w_transposed else w.shape
   if k != k_w:
     raise ValueError(
         f"x and w must share the contraction size K: x is {tuple(x.shape)}"
-        f" ([M_shard, K]) and w is {tuple(w.shape)} ([K, N_shard])."
+        f" ([M_shard, K]) and w is {tuple(w.shape)} ({layout})."
     )
   _validate.check_dtype("x", x, DTYPES, OP)
   _validate.check_same_dtype({"x": x, "w": w})
-  return Problem(axis_size, m_shard, k, n_shard, jnp.dtype(x.dtype), config)
+  return Problem(axis_size, m_shard, k, n_shard, jnp.dtype(x.dtype), config, bool(w_transposed))
 
 
-def explain(x, w, *, axis_size: int, impl: str = "auto", config=None,
+def explain(x, w, *, axis_size: int, impl: str = "auto", config=None, w_transposed: bool = False,
             axis_name=None) -> dispatch.Choice:
   """The implementation `all_gather_matmul` would use, without running it.
 
@@ -172,18 +185,22 @@ def explain(x, w, *, axis_size: int, impl: str = "auto", config=None,
   an enclosing shard_map), the choice also checks that the axis's devices lie
   in one process, as the op does when traced (multi-process jobs).
   """
-  problem = dispatch.in_processes(_bind(x, w, axis_size, config), axis_name)
+  problem = dispatch.in_processes(_bind(x, w, axis_size, config, w_transposed), axis_name)
   return _OP.choose(impl, problem)
 
 
 def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
-                      return_gathered: bool = False):
+                      return_gathered: bool = False, w_transposed: bool = False):
   """`all_gather(x, axis_name, tiled=True) @ w`, per shard, inside `jax.shard_map`.
 
   Args:
     x: [M_shard, K], this device's rows of the left operand (bf16, fp16; fp32
       on the XLA paths).
     w: [K, N_shard], this device's columns of the right operand; same dtype.
+      With `w_transposed`, [N_shard, K] (e.g. a row-parallel weight of
+      `matmul_reduce_scatter`, or PyTorch's Linear layout), and the product is
+      gathered x @ w.T: the kernel reads w in that layout, no transpose is
+      copied.
     axis_name: the mesh axis to gather over (size D), bound by shard_map. It
       may be one axis of a larger mesh.
     impl: "auto" (the fused kernel where it applies and was not measured
@@ -196,6 +213,7 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
       Left False, the fused kernel does not store this device's own rows of
       it (one store of the shard per call saved); differentiated, it keeps
       them for the backward pass either way.
+    w_transposed: w's layout, see `w`.
 
   Returns:
     [D * M_shard, N_shard] in x's dtype, rows in device order along the axis
@@ -207,8 +225,8 @@ def all_gather_matmul(x, w, *, axis_name, impl: str = "auto", config=None,
     TypeError: unsupported or mismatched dtypes.
   """
   problem = dispatch.in_processes(
-      _bind(x, w, _validate.bound_axis_size(axis_name), config), axis_name)
+      _bind(x, w, _validate.bound_axis_size(axis_name), config, w_transposed), axis_name)
   choice = _OP.choose(impl, problem)
   if choice.impl == "pallas":
     return _pallas(x, w, axis_name, return_gathered, problem)
-  return _XLA[choice.impl](x, w, axis_name, return_gathered)
+  return _XLA[choice.impl](x, w, axis_name, return_gathered, problem.w_transposed)

@@ -36,6 +36,7 @@ class Problem:
   dtype: np.dtype
   reduce_in_float32: bool
   config: object | None
+  w_transposed: bool = False
   # Why the axis's devices are not all in this process (the kernels need
   # them to be), or None: `platform.axis_process_reason`.
   process_reason: str | None = None
@@ -87,33 +88,36 @@ def _rows_rule(p: Problem) -> str | None:
   return None
 
 
-def _run_kernel(x, w, axis_name, config):
+def _run_kernel(x, w, axis_name, config, w_transposed: bool):
   return kernel.matmul_reduce_scatter(x, w, axis_name=axis_name, config=config,
-                                      num_sms=platform.num_sms())
+                                      num_sms=platform.num_sms(), w_transposed=w_transposed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fused(x, w, axis_name, config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fused(x, w, axis_name, config, w_transposed: bool):
   """The fused kernel's output, differentiable.
 
-  The backward pass is the dual op: dx = all_gather(dout) @ w^T
-  (`all_gather_matmul`, which also returns the gathered dout) and
-  dw = x^T @ all_gather(dout).
+  The backward pass is the dual op: dx = all_gather(dout) @ W^T
+  (`all_gather_matmul` on the same w, its layout flipped: no transpose is
+  copied; it also returns the gathered dout) and dW = x^T @ all_gather(dout),
+  where W is w or w.T.
   """
-  return _run_kernel(x, w, axis_name, config)
+  return _run_kernel(x, w, axis_name, config, w_transposed)
 
 
-def _fused_fwd(x, w, axis_name, config):
-  return _run_kernel(x, w, axis_name, config), (x, w)
+def _fused_fwd(x, w, axis_name, config, w_transposed: bool):
+  return _run_kernel(x, w, axis_name, config, w_transposed), (x, w)
 
 
-def _fused_bwd(axis_name, config, residuals, d_out):
+def _fused_bwd(axis_name, config, w_transposed: bool, residuals, d_out):
   del config
   # The two ops' backward passes use each other: import at call time.
   from jax_overlap.all_gather_matmul import all_gather_matmul  # pylint: disable=g-import-not-at-top
   x, w = residuals
-  dx, gathered = all_gather_matmul(d_out, w.T, axis_name=axis_name, return_gathered=True)
-  dw = jnp.dot(x.T, gathered, preferred_element_type=jnp.float32).astype(w.dtype)
+  dx, gathered = all_gather_matmul(d_out, w, axis_name=axis_name, return_gathered=True,
+                                   w_transposed=not w_transposed)
+  a, b = (gathered, x) if w_transposed else (x, gathered)
+  dw = jnp.dot(a.T, b, preferred_element_type=jnp.float32).astype(w.dtype)
   return vma.sum_to_varying_of(dx, x), vma.sum_to_varying_of(dw, w)
 
 
@@ -129,26 +133,29 @@ _XLA = {
 }
 
 
-def _bind(x, w, axis_size: int, reduce_in_float32: bool, config) -> Problem:
+def _bind(x, w, axis_size: int, reduce_in_float32: bool, config, w_transposed: bool) -> Problem:
+  layout = "[N, K_shard] (w_transposed=True)" if w_transposed else "[K_shard, N]"
   _validate.check_rank("x", x, 2, "[M, K_shard]")
-  _validate.check_rank("w", w, 2, "[K_shard, N]")
-  (m, k_shard), (k_w, n) = x.shape, w.shape
+  _validate.check_rank("w", w, 2, layout)
+  m, k_shard = x.shape
+  k_w, n = w.shape[::-1] if w_transposed else w.shape
   if k_shard != k_w:
     raise ValueError(
         f"x and w must share the contraction size K_shard: x is"
         f" {tuple(x.shape)} ([M, K_shard]) and w is {tuple(w.shape)}"
-        " ([K_shard, N])."
+        f" ({layout})."
     )
   _validate.check_divisible(
       "x", m, axis_size, "the row count M", f"Pad M to a multiple of the axis size {axis_size}."
   )
   _validate.check_dtype("x", x, DTYPES, OP)
   _validate.check_same_dtype({"x": x, "w": w})
-  return Problem(axis_size, m, k_shard, n, jnp.dtype(x.dtype), bool(reduce_in_float32), config)
+  return Problem(axis_size, m, k_shard, n, jnp.dtype(x.dtype), bool(reduce_in_float32), config,
+                 bool(w_transposed))
 
 
 def explain(x, w, *, axis_size: int, impl: str = "auto", reduce_in_float32: bool = False,
-            config=None, axis_name=None) -> dispatch.Choice:
+            config=None, w_transposed: bool = False, axis_name=None) -> dispatch.Choice:
   """The implementation `matmul_reduce_scatter` would use, without running it.
 
   `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
@@ -156,18 +163,23 @@ def explain(x, w, *, axis_size: int, impl: str = "auto", reduce_in_float32: bool
   an enclosing shard_map), the choice also checks that the axis's devices lie
   in one process, as the op does when traced (multi-process jobs).
   """
-  problem = dispatch.in_processes(_bind(x, w, axis_size, reduce_in_float32, config), axis_name)
+  problem = dispatch.in_processes(
+      _bind(x, w, axis_size, reduce_in_float32, config, w_transposed), axis_name)
   return _OP.choose(impl, problem)
 
 
 def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
-                          reduce_in_float32: bool = False, config=None):
+                          reduce_in_float32: bool = False, config=None,
+                          w_transposed: bool = False):
   """This device's rows of `psum_scatter(x @ w)`, per shard, inside `jax.shard_map`.
 
   Args:
     x: [M, K_shard], this device's columns of the left operand (bf16, fp16;
       fp32 on the XLA paths). M must be divisible by the axis size D.
     w: [K_shard, N], this device's rows of the right operand; same dtype.
+      With `w_transposed`, [N, K_shard] (e.g. a column-parallel weight of
+      `all_gather_matmul`, or PyTorch's Linear layout), and the product is
+      x @ w.T: the kernel reads w in that layout, no transpose is copied.
     axis_name: the mesh axis that shards K (size D), bound by shard_map. It
       may be one axis of a larger mesh.
     impl: "auto", "pallas", "xla_bsp" or "xla_ring". See `explain`.
@@ -182,6 +194,7 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       and summed in float32 and rounded once (XLA paths only).
     config: a `jax_overlap.MatmulReduceScatterConfig(tiles, strip_chunks)` for
       impl "pallas"; None takes the kernel's heuristic.
+    w_transposed: w's layout, see `w`.
 
   Returns:
     [M / D, N] in x's dtype: rows [i * M/D, (i+1) * M/D) of the sum over the
@@ -193,8 +206,9 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
     TypeError: unsupported or mismatched dtypes.
   """
   problem = dispatch.in_processes(
-      _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config), axis_name)
+      _bind(x, w, _validate.bound_axis_size(axis_name), reduce_in_float32, config, w_transposed),
+      axis_name)
   choice = _OP.choose(impl, problem)
   if choice.impl == "pallas":
-    return _fused(x, w, axis_name, _kernel_config(problem))
-  return _XLA[choice.impl](x, w, axis_name, reduce_in_float32)
+    return _fused(x, w, axis_name, _kernel_config(problem), problem.w_transposed)
+  return _XLA[choice.impl](x, w, axis_name, reduce_in_float32, problem.w_transposed)

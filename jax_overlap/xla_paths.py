@@ -19,31 +19,38 @@ from jax import lax
 _F32 = jnp.float32
 
 
+def _matmul(a, w, w_transposed: bool, dtype):
+  """a @ w, or a @ w.T if `w_transposed` (w given as [N, K]), out in `dtype`."""
+  return lax.dot_general(a, w, (((1,), (1 if w_transposed else 0,)), ((), ())),
+                         preferred_element_type=dtype)
+
+
 def _shift_right(x, axis_name, d):
   """Sends this device's `x` to the next device along the axis (i -> i+1)."""
   return lax.ppermute(x, axis_name, [(j, (j + 1) % d) for j in range(d)])
 
 
-# All-gather + matmul: x [M_shard, K] rows, w [K, N_shard] -> [D*M_shard, N_shard].
+# All-gather + matmul: x [M_shard, K] rows, w [K, N_shard] ([N_shard, K] if
+# w_transposed) -> [D*M_shard, N_shard].
 
-def all_gather_matmul_bsp(x, w, axis_name, return_gathered=False):
+def all_gather_matmul_bsp(x, w, axis_name, return_gathered=False, w_transposed=False):
   gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-  out = jnp.dot(gathered, w, preferred_element_type=x.dtype)
+  out = _matmul(gathered, w, w_transposed, x.dtype)
   return (out, gathered) if return_gathered else out
 
 
-def all_gather_matmul_ring(x, w, axis_name, return_gathered=False):
+def all_gather_matmul_ring(x, w, axis_name, return_gathered=False, w_transposed=False):
   d = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
   m = x.shape[0]
-  out = jnp.empty((d * m, w.shape[1]), x.dtype)
+  out = jnp.empty((d * m, w.shape[0 if w_transposed else 1]), x.dtype)
   gathered = jnp.empty((d * m, x.shape[1]), x.dtype)
   chunk = x
   for step in range(d):
     # After `step` shifts this device holds the shard of device me - step.
     row = ((me - step) % d) * m
     out = lax.dynamic_update_slice_in_dim(
-        out, jnp.dot(chunk, w, preferred_element_type=x.dtype), row, 0)
+        out, _matmul(chunk, w, w_transposed, x.dtype), row, 0)
     if return_gathered:
       gathered = lax.dynamic_update_slice_in_dim(gathered, chunk, row, 0)
     if step < d - 1:
@@ -51,24 +58,25 @@ def all_gather_matmul_ring(x, w, axis_name, return_gathered=False):
   return (out, gathered) if return_gathered else out
 
 
-# Matmul + reduce-scatter: x [M, K_shard], w [K_shard, N] -> rows [M/D, N] of the sum.
-# The partials are exchanged and summed in float32 if reduce_in_float32, else
-# in x's dtype (each device's float32 product rounded once first).
+# Matmul + reduce-scatter: x [M, K_shard], w [K_shard, N] ([N, K_shard] if
+# w_transposed) -> rows [M/D, N] of the sum. The partials are exchanged and
+# summed in float32 if reduce_in_float32, else in x's dtype (each device's
+# float32 product rounded once first).
 
-def matmul_reduce_scatter_bsp(x, w, axis_name, reduce_in_float32=False):
-  partial = jnp.dot(x, w, preferred_element_type=_F32 if reduce_in_float32 else x.dtype)
+def matmul_reduce_scatter_bsp(x, w, axis_name, reduce_in_float32=False, w_transposed=False):
+  partial = _matmul(x, w, w_transposed, _F32 if reduce_in_float32 else x.dtype)
   return lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 
-def matmul_reduce_scatter_ring(x, w, axis_name, reduce_in_float32=False):
+def matmul_reduce_scatter_ring(x, w, axis_name, reduce_in_float32=False, w_transposed=False):
   d = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
   rows = x.shape[0] // d
   exchange = _F32 if reduce_in_float32 else x.dtype
 
   def partial(chunk):
-    return jnp.dot(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w,
-                   preferred_element_type=exchange)
+    return _matmul(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w, w_transposed,
+                   exchange)
 
   # At step s this device adds its part of chunk (me - s - 1) mod D to the
   # running sum received from its left neighbour; after D - 1 shifts the sum

@@ -240,12 +240,13 @@ class Pregathered:
 
 
 def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
-                      num_sms: int, return_gathered: bool = True,
+                      num_sms: int, return_gathered: bool = True, w_transposed: bool = False,
                       pregathered: Pregathered | None = None, interpret=None):
   """Runs the fused kernel on this shard.
 
   Args:
-    x: [M_shard, K] bf16/fp16. w: [K, N_shard], same dtype.
+    x: [M_shard, K] bf16/fp16. w: [K, N_shard], same dtype ([N_shard, K]
+      with `w_transposed`).
     axis_name: the mesh axis of size D to gather over (the kernel runs inside
       shard_map over it); unused with `pregathered`.
     config: tiles; `unsupported_reason` must have accepted the shapes.
@@ -254,6 +255,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       so that it holds the whole gathered x, and return it. False saves a
       store of the shard per call (2x H200: -0.7% at 4096x8192x7168, -1.5% at
       1024x4096x4096 per shard; benchmarks/NOTES.md, AG v15).
+    w_transposed: w is given as [N_shard, K] and the product is gathered x @
+      w.T (the backward pass of `matmul_reduce_scatter` with its own weight,
+      unmoved).
     pregathered: replaces the exchange (see `Pregathered`).
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
 
@@ -264,7 +268,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   exchange = pregathered is None
   d = lax.axis_size(axis_name) if exchange else pregathered.size
   m_shard, k = x.shape
-  n = w.shape[1]
+  n = w.shape[0] if w_transposed else w.shape[1]
   tiles = config.tiles
   m_chunks = m_shard // tiles.cta_m
   n_tiles = n // tiles.cta_n
@@ -279,7 +283,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   push_mode = sends and config.send == "push"
   # Pushing, the grid spans every SM: blocks past the last tile only push.
   grid = num_sms if push_mode else min(num_sms, d * tiles_per_step)
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, sends_a=forward_mode)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, sends_a=forward_mode,
+                              transpose_b=w_transposed)
   pushers = grid if config.pushers is None else min(config.pushers, grid)
   push_cols = config.push_cols(k)
   pieces_per_chunk = k // push_cols
@@ -348,7 +353,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       chunk, n_idx, visit = gemm_core.strip_position(t, m_chunks, n_tiles, strip)
       src = lax.rem(me + step, d)
       row0 = src * m_shard + chunk * tiles.cta_m
-      b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
+      w_cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+      b_cols = w_ref.at[w_cols] if w_transposed else w_ref.at[:, w_cols]
       out_tile = out_ref.at[pl.ds(row0, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
       forwards = (wg == 0) & (visit < forwarders)
       if ring:  # every step's rows are passed on, but the last step's (me - 1 has them)

@@ -227,7 +227,10 @@ class TileMatmul:
   Use `scratch()` once per kernel (inside `pl.run_scoped(..., collective_axes=
   "wg")`) and call `__call__` for each tile from all three warpgroups. A core
   whose tiles get `send_a` must be built with `sends_a=True`: its stages are
-  then released per operand (A's release can wait for the stores).
+  then released per operand (A's release can wait for the stores). A core
+  built with `transpose_b=True` takes B as its transpose, [cta_n, K] (a
+  weight stored [N, K]), and hands the wgmma the transposed view of each
+  shared-memory tile: no copy of the transpose in HBM.
   """
 
   # Stages are released as soon as a step's wgmma is done; with `send_a`, a
@@ -236,10 +239,12 @@ class TileMatmul:
   # (BlockSpec.delay_release) is unsafe across tiles: it never awaits the last
   # step's delayed release, so the next tile's prologue can refill that stage
   # while it is still being read.
-  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype, *, sends_a: bool = False):
+  def __init__(self, tiles: GemmTiles, k: int, dtype, out_dtype, *, sends_a: bool = False,
+               transpose_b: bool = False):
     self.tiles = tiles
     self.k_steps = k // tiles.tile_k
     self.sends_a = sends_a
+    self.transpose_b = transpose_b
     self.dtype = jnp.dtype(dtype)
     self.out_dtype = jnp.dtype(out_dtype)
 
@@ -266,7 +271,8 @@ class TileMatmul:
         memory_registers=40,
         in_specs=[
             spec((t.cta_m, t.tile_k), a_index),
-            spec((t.tile_k, t.cta_n), lambda kk: (kk, 0)),
+            (spec((t.cta_n, t.tile_k), lambda kk: (0, kk)) if self.transpose_b
+             else spec((t.tile_k, t.cta_n), lambda kk: (kk, 0))),
         ],
         wg_axis=WG_AXIS,
         num_compute_wgs=2,
@@ -339,7 +345,8 @@ class TileMatmul:
 
     Args:
       scratch: what `scratch()` allocated.
-      a_rows: [cta_m, K] GMEM ref. b_cols: [K, cta_n] GMEM ref.
+      a_rows: [cta_m, K] GMEM ref. b_cols: [K, cta_n] GMEM ref ([cta_n, K]
+        with `transpose_b`).
       out_tile: [cta_m, cta_n] GMEM ref, or a sequence of `TileStore`s (the
         tile goes to those whose `when` holds, stored or reduce-stored).
       send_a: A tiles to store out of the ring (see `ASend`); needs
@@ -368,7 +375,8 @@ class TileMatmul:
 
     def mma(idxs, a_smem, b_smem, *consumed_and_acc):
       *consumed, acc = consumed_and_acc
-      plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+      b = b_smem.at[wg_cols].transpose((1, 0)) if self.transpose_b else b_smem.at[:, wg_cols]
+      plgpu.wgmma(acc, a_smem.at[wg_rows], b)
       if during_k is not None:
         during_k(idxs[0])
       if not self.sends_a:

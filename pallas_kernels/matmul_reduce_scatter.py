@@ -285,17 +285,20 @@ def _pad_blocks(x, d: int, rows: int, padded: int):
 
 
 def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterConfig,
-                          num_sms: int, standalone: Standalone | None = None,
-                          interpret=None):
+                          num_sms: int, w_transposed: bool = False,
+                          standalone: Standalone | None = None, interpret=None):
   """Runs the fused kernel on this shard.
 
   Args:
-    x: [M, K_shard] bf16/fp16, M a multiple of D. w: [K_shard, N], same dtype.
+    x: [M, K_shard] bf16/fp16, M a multiple of D. w: [K_shard, N], same dtype
+      ([N, K_shard] with `w_transposed`).
     axis_name: the mesh axis of size D that shards K (the kernel runs inside
       shard_map over it); unused with `standalone`.
     config: tiles and exchange design; `unsupported_reason` must have
       accepted the shapes.
     num_sms: blocks of the persistent grid at most (the GPU's SM count).
+    w_transposed: w is given as [N, K_shard] and the product is x @ w.T (the
+      backward pass of `all_gather_matmul` with its own weight, unmoved).
     standalone: replaces the exchange (see `Standalone`).
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
 
@@ -307,7 +310,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   exchange = standalone is None
   d = lax.axis_size(axis_name) if exchange else standalone.size
   m, k = x.shape
-  n = w.shape[1]
+  n = w.shape[0] if w_transposed else w.shape[1]
   rows = m // d
   tiles = config.tiles
   padded = config.padded_rows(rows)
@@ -316,7 +319,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   n_tiles = n // tiles.cta_n
   per_step = m_chunks * n_tiles
   total = d * per_step
-  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, transpose_b=w_transposed)
   remote = exchange and d > 1
   add_all = remote and config.add_all
   # drip also runs stand-alone, into the local buffer by step (CPU tests).
@@ -417,7 +420,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
                    last=info.local_index == info.num_local_steps - 1)
       step, t, chunk, n_idx = place(lin)
       a_rows = x_ref.at[pl.ds(owner(step) * padded + chunk * tiles.cta_m, tiles.cta_m)]
-      b_cols = w_ref.at[:, pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
+      w_cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+      b_cols = w_ref.at[w_cols] if w_transposed else w_ref.at[:, w_cols]
       at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
 
       has_prev = info.local_index > 0

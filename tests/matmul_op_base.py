@@ -67,6 +67,33 @@ class MatmulOpTests:
     reference.assert_close(out, reference.matmul(x, w), dtype)
 
   @pytest.mark.parametrize("impl", IMPLS)
+  @pytest.mark.parametrize("d", [1, 2, 4])
+  def test_transposed_w_matches_reference_with_gradients(self, d, impl):
+    """w given as [N, K] (`w_transposed=True`, sharded the other way) gives
+    the product and the gradients of the same weight given as [K, N]; dw
+    comes back in w's layout."""
+    mesh = testkit.mesh_1d(d)
+    x, w, xs, ws = self.inputs(mesh, d, *self.wrapper_dims(d), jnp.float32, "w.T", impl)
+    w_t_spec = P(*reversed(self.W_SPEC))
+    wts = testkit.put(mesh, w.T, w_t_spec)
+
+    def loss(w_transposed, w_spec):
+      op = functools.partial(type(self).OP, axis_name=AXIS, impl=impl, w_transposed=w_transposed)
+      f = jax.shard_map(op, mesh=mesh, in_specs=(self.X_SPEC, w_spec), out_specs=self.OUT_SPEC)
+      return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
+
+    out = jax.jit(jax.shard_map(
+        functools.partial(type(self).OP, axis_name=AXIS, impl=impl, w_transposed=True),
+        mesh=mesh, in_specs=(self.X_SPEC, w_t_spec), out_specs=self.OUT_SPEC))(xs, wts)
+    reference.assert_close(out, reference.matmul(x, w), jnp.float32)
+    (value_t, (dx_t, dw_t)), (value, (dx, dw)) = loss(True, w_t_spec)(xs, wts), loss(
+        False, self.W_SPEC)(xs, ws)
+    assert dw_t.shape == w.T.shape
+    reference.assert_close(value_t, float(value), jnp.float32, "loss")
+    reference.assert_close(dx_t, dx, jnp.float32, "dx")
+    reference.assert_close(dw_t, dw.T, jnp.float32, "dw")
+
+  @pytest.mark.parametrize("impl", IMPLS)
   @pytest.mark.parametrize("d,dtype", [(2, jnp.float32), (4, jnp.bfloat16), (8, jnp.float16)],
                            ids=["D2-float32", "D4-bfloat16", "D8-float16"])
   def test_sharded_wrapper_matches_reference(self, d, dtype, impl, axis_type):

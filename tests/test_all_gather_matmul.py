@@ -88,7 +88,8 @@ def test_fused_kernel_backward_rule_matches_autodiff_of_the_bsp_path(d, return_g
   def body(x, w, d_out, d_gathered):
     gathered = jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
     cotangents = (d_out, d_gathered) if return_gathered else d_out
-    got = agm_op._fused_bwd(AXIS, None, return_gathered, (x, gathered, w), cotangents)  # pylint: disable=protected-access
+    got = agm_op._fused_bwd(AXIS, None, return_gathered, False, (x, gathered, w),  # pylint: disable=protected-access
+                            cotangents)
     _, vjp = jax.vjp(
         lambda x, w: xla_paths.all_gather_matmul_bsp(x, w, AXIS, return_gathered), x, w)
     return (*got, *vjp(cotangents))

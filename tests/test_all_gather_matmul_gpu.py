@@ -241,6 +241,27 @@ def test_per_shard_and_sharded_wrapper_match_float32_reference(shape, dtype):
     _check(wrapped, expected, dtype, k, "sharded_all_gather_matmul out", m_shard)
 
 
+@TIMEOUT
+@pytest.mark.parametrize("send", ["forward", "push", "ring"])
+@pytest.mark.parametrize("shape", [(1024, 4096, 4096), (192, 8192, 2560)], ids=_shape_id)
+def test_transposed_w_matches_float32_reference(shape, send):
+  """w handed over as [D * N_shard, K] (`w_transposed`, sharded along its
+  rows), each send design: every device's output, two calls."""
+  mesh = _mesh_1d()
+  m_shard, k, n_shard = shape
+  with jax.set_mesh(mesh):
+    ops = _global_operands(mesh, shape, BF16, "w.T", shape)
+    w_t = jax.jit(lambda w: w.T, out_shardings=jax.NamedSharding(mesh, P(AXIS, None)))(ops.w)
+    op = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl="pallas",
+                           w_transposed=True,
+                           config=_config(m_shard, k, n_shard, BF16, mesh.shape[AXIS], send))
+    f = jax.jit(jax.shard_map(op, in_specs=(P(AXIS, None), P(AXIS, None)),
+                              out_specs=P(None, AXIS)))
+    expected = _reference(ops.x_host, ops.w_host)
+    for call in range(2):
+      _check(f(ops.x, w_t), expected, BF16, k, f"w_transposed out, call {call}", m_shard)
+
+
 # Each send design forced on shapes where the heuristic picks forward or push,
 # with the gathered x returned: (shape, dtype). ("ring" is "forward" at D = 2;
 # "+stream" changes only how remote tiles wait, not what is sent.)
@@ -483,24 +504,33 @@ def test_auto_runs_the_kernel():
 
 # --- gradients ------------------------------------------------------------------
 
+@pytest.mark.parametrize("w_transposed", [False, True], ids=["w", "w_transposed"])
 @pytest.mark.parametrize("shape", [(1024, 4096, 4096), (128, 3072, 2560)], ids=_shape_id)
-def test_gradients_match_the_xla_path(shape):
-  """jax.grad through impl="pallas" (custom VJP: matmul_reduce_scatter for dx,
-  gathered^T @ dout for dw) equals jax.grad through the XLA BSP path."""
+def test_gradients_match_the_xla_path(shape, w_transposed):
+  """jax.grad through impl="pallas" (custom VJP: matmul_reduce_scatter on the
+  same weight, its layout flipped, for dx; gathered^T @ dout for dw) equals
+  jax.grad through the XLA BSP path, with w in either layout; with
+  w_transposed the forward kernel reads w as [N_shard, K] too."""
   mesh = _mesh_1d()
+  w_spec = P(AXIS, None) if w_transposed else P(None, AXIS)
   with jax.set_mesh(mesh):
     ops = _global_operands(mesh, shape, BF16, "grad", shape)
+    w = (jax.jit(lambda w: w.T, out_shardings=jax.NamedSharding(mesh, w_spec))(ops.w)
+         if w_transposed else ops.w)
     probe = jax.reshard(_normal(_key("grad-probe", shape), (ops.x.shape[0], ops.w.shape[1]),
                                 jnp.float32, 1.0), P(None, AXIS))
 
     def loss(x, w, impl):
-      out = jax_overlap.sharded_all_gather_matmul(x, w, axis_name=AXIS, impl=impl)
-      return jnp.sum(out.astype(jnp.float32) * probe)
+      f = jax.shard_map(functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS,
+                                          impl=impl, w_transposed=w_transposed),
+                        in_specs=(P(AXIS, None), w_spec), out_specs=P(None, AXIS))
+      return jnp.sum(f(x, w).astype(jnp.float32) * probe)
 
     grad = lambda impl: jax.jit(jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1)))(
-        ops.x, ops.w)
+        ops.x, w)
     (dx, dw), (dx_ref, dw_ref) = grad("pallas"), grad("xla_bsp")
   for got, want, name in ((dx, dx_ref, "dx"), (dw, dw_ref, "dw")):
+    assert got.shape == want.shape, name
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 2e-2 * scale, (name, np.abs(got - want).max(), scale)

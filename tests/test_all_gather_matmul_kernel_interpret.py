@@ -89,13 +89,15 @@ def _inputs(d: int, m_shard: int, k: int, dtype, *key):
   return gathered, w
 
 
-def _run(interpret, gathered, w, index, d, config, num_sms):
+def _run(interpret, gathered, w, index, d, config, num_sms, w_transposed=False):
+  """The kernel on device `index`'s rows; with `w_transposed` it is handed
+  w.T ([N, K]) and told so."""
   m_shard = gathered.shape[0] // d
   x = gathered[index * m_shard:(index + 1) * m_shard]
   pregathered = agm.Pregathered(jnp.asarray(gathered), index, d)
-  return agm.all_gather_matmul(jnp.asarray(x), jnp.asarray(w), config=config,
-                               num_sms=num_sms, pregathered=pregathered,
-                               interpret=interpret)
+  return agm.all_gather_matmul(jnp.asarray(x), jnp.asarray(w.T if w_transposed else w),
+                               config=config, num_sms=num_sms, w_transposed=w_transposed,
+                               pregathered=pregathered, interpret=interpret)
 
 
 def test_cases_cover_what_they_claim():
@@ -128,6 +130,20 @@ def test_kernel_matches_float64_reference(case, interpreter):
   assert out.shape == (d * m_shard, N) and out.dtype == dtype
   testkit.assert_matmul_close(out, gathered, w, dtype)
   np.testing.assert_array_equal(np.asarray(gathered_out), gathered)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[8]], ids=_case_id)
+def test_transposed_w_matches_float64_reference(case, interpreter):
+  """w handed over as [N, K] (`w_transposed`): the core loads [cta_n, tile_k]
+  tiles and gives the wgmma their transposed view; both warpgroup splits,
+  ring across tiles and not."""
+  d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = case
+  gathered, w = _inputs(d, m_shard, k, dtype, "w.T", index)
+  out, _ = _run(interpreter(), gathered, w, index, d, _config(tile_n, wg_split), num_sms,
+                w_transposed=True)
+  assert out.shape == (d * m_shard, N)
+  testkit.assert_matmul_close(out, gathered, w, dtype)
 
 
 @pytest.mark.timeout(120)
@@ -537,3 +553,27 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gather
   assert ("red.release.sys" in module) == (d > 1)
   if d > 1 and send != "push":  # streamed: per-step announcements, per-group waits
     assert ("settle" in module, "wait_chunk" in module) == (bool(stream), not stream)
+
+
+@pytest.mark.parametrize("d,shape,send", [
+    (2, (1024, 4096, 4096), "forward"),
+    (2, (128, 8192, 7168), "push"),
+    (4, (512, 8192, 7168), "ring"),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_transposed_w_lowers_for_cuda(d, shape, send):
+  """The kernel over w given as [N_shard, K] (the backward pass of
+  matmul_reduce_scatter on its own weight) lowers for CUDA with each send
+  design: the transposed shared-memory view is one the wgmma accepts."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  config = dataclasses.replace(agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132),
+                               send=send)
+  body = lambda x, w_t: agm.all_gather_matmul(x, w_t, axis_name="x", config=config, num_sms=132,
+                                              return_gathered=False, w_transposed=True)[0]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P("x")),
+                            out_specs=jax.P(None, "x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((d * m, k), jax.P("x")), sds((d * n, k), jax.P("x"))).mlir_module()
+  assert f"{agm.KERNEL_NAME}_mosaic_gpu" in module

@@ -181,18 +181,23 @@ def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, im
   assert named.impl == "pallas"
 
 
-@pytest.mark.parametrize("d,m_shard,n_shard,impl", [
-    (4, 128, 14336, "xla_bsp"), (4, 128, 7168, "pallas"), (4, 256, 14336, "pallas"),
-    (4, 128, 2560, "xla_bsp"), (2, 128, 2560, "pallas"), (4, 256, 2560, "pallas"),
-    (2, 256, 5120, "xla_bsp"), (2, 256, 28672, "xla_bsp"), (2, 512, 5120, "pallas")])
-def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(d, m_shard, n_shard, impl, monkeypatch):
-  """Decode-size rows against wide weights (any D), narrow ones at D >= 3, and
-  129-511 rows at D = 2 were measured or reported slower than BSP: "auto"
-  declines the kernel there and says why; named, it runs."""
+@pytest.mark.parametrize("d,m_shard,k,n_shard,impl", [
+    (4, 128, 8192, 14336, "xla_bsp"), (4, 128, 8192, 7168, "pallas"),
+    (4, 256, 8192, 14336, "pallas"), (4, 128, 8192, 2560, "xla_bsp"),
+    (2, 128, 8192, 2560, "xla_bsp"), (2, 64, 4096, 3072, "xla_bsp"),
+    (2, 64, 8192, 5120, "pallas"), (4, 256, 8192, 2560, "pallas"),
+    (2, 256, 8192, 5120, "xla_bsp"), (2, 256, 8192, 28672, "xla_bsp"),
+    (2, 256, 16384, 9216, "xla_bsp"), (2, 256, 4096, 3072, "pallas"),
+    (2, 256, 4096, 14336, "pallas"), (2, 512, 8192, 5120, "pallas")])
+def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(d, m_shard, k, n_shard, impl,
+                                                         monkeypatch):
+  """Decode-size rows against wide or narrow weights (any D), and 129-511
+  rows at D = 2 with K >= 8192, were measured or reported slower than BSP:
+  "auto" declines the kernel there and says why; named, it runs."""
   from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  args = S(m_shard, 8192), S(8192, n_shard)
+  args = S(m_shard, k), S(k, n_shard)
   choice = jax_overlap.explain_all_gather_matmul(*args, axis_size=d)
   assert choice.impl == impl
   if impl == "xla_bsp":

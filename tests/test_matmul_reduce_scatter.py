@@ -74,35 +74,43 @@ def test_partials_are_exchanged_in_the_documented_dtype(impl, reduce_in_float32)
   reference.assert_close(f(xs, ws), reference.matmul(x, w), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("w_transposed", [False, True], ids=["w", "w_transposed"])
 @pytest.mark.parametrize("op_name", ["matmul_reduce_scatter", "all_gather_matmul"])
-def test_fused_ops_gradients_match_the_xla_path(op_name, monkeypatch):
-  """The fused kernels' custom VJPs (each op's backward pass is the other op,
-  the weight gradient reuses the gathered operand) give the gradients that
-  autodiff of the XLA path gives. The kernel itself needs Hopper GPUs, so
-  its forward is replaced by the XLA path here: what is tested is the VJP
-  wiring, on CPU; tests/test_matmul_reduce_scatter_gpu.py runs the kernels."""
+def test_fused_ops_gradients_match_the_xla_path(op_name, w_transposed, monkeypatch):
+  """The fused kernels' custom VJPs (each op's backward pass is the other op
+  on the same weight, its layout flipped; the weight gradient reuses the
+  gathered operand) give the gradients that autodiff of the XLA path gives,
+  with w in either layout. The kernel itself needs Hopper GPUs, so its
+  forward is replaced by the XLA path here: what is tested is the VJP wiring,
+  on CPU; tests/test_matmul_reduce_scatter_gpu.py runs the kernels."""
   # The package exports functions of the modules' names: take the modules.
   agm_op = importlib.import_module("jax_overlap.all_gather_matmul")
   mrs_op = importlib.import_module("jax_overlap.matmul_reduce_scatter")
   d = 4
   mesh = testkit.mesh_1d(d)
-  rng = testkit.rng("vjp", op_name)
+  rng = testkit.rng("vjp", op_name, w_transposed)
   if op_name == "matmul_reduce_scatter":
-    monkeypatch.setattr(mrs_op, "_run_kernel", lambda x, w, axis_name, config:
-                        xla_paths.matmul_reduce_scatter_bsp(x, w, axis_name))
-    fused = lambda x, w: mrs_op._fused(x, w, AXIS, None)  # pylint: disable=protected-access
-    xla = functools.partial(xla_paths.matmul_reduce_scatter_bsp, axis_name=AXIS)
+    monkeypatch.setattr(mrs_op, "_run_kernel", lambda x, w, axis_name, config, w_transposed:
+                        xla_paths.matmul_reduce_scatter_bsp(x, w, axis_name,
+                                                            w_transposed=w_transposed))
+    fused = lambda x, w: mrs_op._fused(x, w, AXIS, None, w_transposed)  # pylint: disable=protected-access
+    xla = functools.partial(xla_paths.matmul_reduce_scatter_bsp, axis_name=AXIS,
+                            w_transposed=w_transposed)
     x, w = testkit.normal(rng, (8, d * 6), jnp.float32), testkit.normal(rng, (d * 6, 5), jnp.float32)
     specs = (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
   else:
-    monkeypatch.setattr(agm_op, "_run_kernel", lambda x, w, axis_name, config, return_gathered:
-                        xla_paths.all_gather_matmul_bsp(x, w, axis_name, True))
-    fused = lambda x, w: agm_op._fused(x, w, AXIS, None, False)  # pylint: disable=protected-access
-    xla = functools.partial(xla_paths.all_gather_matmul_bsp, axis_name=AXIS)
+    monkeypatch.setattr(agm_op, "_run_kernel",
+                        lambda x, w, axis_name, config, return_gathered, w_transposed:
+                        xla_paths.all_gather_matmul_bsp(x, w, axis_name, True, w_transposed))
+    fused = lambda x, w: agm_op._fused(x, w, AXIS, None, False, w_transposed)  # pylint: disable=protected-access
+    xla = functools.partial(xla_paths.all_gather_matmul_bsp, axis_name=AXIS,
+                            w_transposed=w_transposed)
     x, w = testkit.normal(rng, (d * 3, 6), jnp.float32), testkit.normal(rng, (6, d * 5), jnp.float32)
     specs = (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
   cotangent = testkit.normal(rng, (x.shape[0] if op_name == "all_gather_matmul" else 8,
                                    w.shape[1]), jnp.float32)
+  if w_transposed:  # the same weight, stored [N, K] and sharded the other way
+    w, specs = w.T, ((specs[0][0], P(*reversed(specs[0][1]))), specs[1])
   xs, ws = testkit.put(mesh, x, specs[0][0]), testkit.put(mesh, w, specs[0][1])
   ct = testkit.put(mesh, cotangent, specs[1])
 
@@ -113,4 +121,5 @@ def test_fused_ops_gradients_match_the_xla_path(op_name, monkeypatch):
 
   got, want = grads(fused), grads(xla)
   for g, r in zip(got, want):
+    assert g.shape == r.shape
     reference.assert_close(g, np.asarray(r, np.float64), jnp.float32)

@@ -254,23 +254,46 @@ def test_2d_mesh_over_one_axis():
     assert np.all(np.abs(a - b) <= 0.03 * np.abs(b) + 0.02 * np.sqrt(np.mean(b * b)))
 
 
-@pytest.mark.parametrize("shape", [(1024, 512, 1024), (8 * 40, 1024, 2560)], ids=str)
-def test_gradients_match_the_xla_path(shape):
-  """jax.grad through the fused ops (each one's backward pass runs the other
-  kernel) against autodiff of the XLA path."""
+@pytest.mark.parametrize("shape", [(2048, 4096, 4096), (8 * 40, 1024, 2560)], ids=str)
+def test_transposed_w_on_every_device(shape):
+  """w handed over as [N, D * K_shard] (`w_transposed`, sharded along its
+  columns): every device's rows against the same float32 reference."""
   mesh = _mesh()
   with jax.set_mesh(mesh):
+    x, w = _operands(mesh, *shape, BF16, "w.T", shape)
+    w_t = jax.jit(lambda w: w.T, out_shardings=jax.NamedSharding(mesh, P(None, AXIS)))(w)
+    op = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas",
+                           w_transposed=True)
+    f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(X_SPEC, P(None, AXIS)),
+                              out_specs=OUT_SPEC))
+    for call in range(2):
+      _check(f(x, w_t), _partials(mesh, x, w), BF16, f"w_transposed out, call {call}",
+             x.shape[1])
+
+
+@pytest.mark.parametrize("w_transposed", [False, True], ids=["w", "w_transposed"])
+@pytest.mark.parametrize("shape", [(1024, 512, 1024), (8 * 40, 1024, 2560)], ids=str)
+def test_gradients_match_the_xla_path(shape, w_transposed):
+  """jax.grad through the fused ops (each one's backward pass runs the other
+  kernel on the same weight, its layout flipped) against autodiff of the XLA
+  path, with w in either layout."""
+  mesh = _mesh()
+  w_spec = P(None, AXIS) if w_transposed else W_SPEC
+  with jax.set_mesh(mesh):
     x, w = _operands(mesh, *shape, BF16, "grad", shape)
+    if w_transposed:
+      w = jax.jit(lambda w: w.T, out_shardings=jax.NamedSharding(mesh, w_spec))(w)
     ct = jax.reshard(jnp.ones((shape[0], shape[2]), BF16) * 0.5, OUT_SPEC)
 
     def grads(impl):
       f = jax.shard_map(functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS,
-                                          impl=impl),
-                        mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=OUT_SPEC)
+                                          impl=impl, w_transposed=w_transposed),
+                        mesh=mesh, in_specs=(X_SPEC, w_spec), out_specs=OUT_SPEC)
       loss = lambda x, w: jnp.sum((f(x, w) * ct).astype(jnp.float32))
       return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
 
     for name, a, b in zip(("dx", "dw"), grads("pallas"), grads("xla_bsp")):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      assert a.shape == b.shape, name
       scale = float(np.sqrt(np.mean(np.square(b))))
       assert np.all(np.abs(a - b) <= 0.02 * np.abs(b) + 0.02 * scale), name

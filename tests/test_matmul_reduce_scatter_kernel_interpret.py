@@ -90,6 +90,24 @@ def test_every_steps_partial_matches_float64(case, interpreter):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[7]], ids=_case_id)
+def test_transposed_w_partials_match_float64(case, interpreter):
+  """w handed over as [N, K_shard] (`w_transposed`): every step's partial,
+  both warpgroup splits, padded rows."""
+  d, index, wg_split, tile_n, strip, dtype, rows, k, num_sms = case
+  rng = testkit.rng("rs w.T", case)
+  x = rng.standard_normal((d * rows, k)).astype(dtype)
+  w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(dtype)
+  out = rs.matmul_reduce_scatter(
+      x, w.T, config=_config(tile_n, wg_split, strip), num_sms=num_sms, w_transposed=True,
+      standalone=rs.Standalone(index, d), interpret=interpreter())
+  assert out.shape == (d, rows, N)
+  for step in range(d):
+    owner = (index + 1 + step) % d
+    testkit.assert_matmul_close(out[step], x[owner * rows:(owner + 1) * rows], w, dtype)
+
+
+@pytest.mark.timeout(120)
 def test_no_data_races(interpreter):
   """The interpreter's race detector sees no unordered accesses: blocks of
   several tiles each, ring across tiles, padded rows."""
@@ -212,6 +230,26 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   assert ("red.release.sys" in module) == (d > 1)
   assert ("fence.proxy.async.global" in module) == (d > 1)
   assert "skip_device_barrier = true" not in module  # XLA's barrier precedes the launch
+
+
+@pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (512, 4096, 7168))],
+                         ids=["D2", "D4"])
+def test_transposed_w_lowers_for_cuda(d, shape):
+  """The kernel over w given as [N, K_shard] (the backward pass of
+  all_gather_matmul on its own weight) lowers for CUDA with the default
+  design: the transposed shared-memory view is one the wgmma accepts."""
+  m, k, n = shape
+  config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
+  mesh = jax.make_mesh((d,), ("x",))
+  body = lambda x, w_t: rs.matmul_reduce_scatter(x, w_t, axis_name="x", config=config,
+                                                 num_sms=132, w_transposed=True)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), jax.P(None, "x")),
+                            out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds((n, d * k), jax.P(None, "x"))).mlir_module()
+  assert f"{rs.KERNEL_NAME}_mosaic_gpu" in module
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])
