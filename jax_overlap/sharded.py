@@ -75,50 +75,57 @@ def _check_split(arg: str, dim_name: str, size: int, mesh, axes: tuple[str, ...]
 
 
 def sharded_all_gather_matmul(x, w, *, axis_name, mesh=None, batch_axes=(),
-                              impl="auto", config=None):
+                              impl="auto", config=None, w_transposed=False):
   """`x @ w` with x's rows gathered over `axis_name` by `all_gather_matmul`.
 
   Args:
     x: [M, K], rows sharded over (*batch_axes, axis_name).
-    w: [K, N], columns sharded over axis_name.
+    w: [K, N], columns sharded over axis_name; with `w_transposed`, [N, K],
+      rows (N) sharded over axis_name, and the product is x @ w.T.
 
   Returns:
     [M, N], rows sharded over batch_axes, columns over axis_name.
   """
   mesh, batch_axes = resolve_mesh(mesh, axis_name, batch_axes)
   _validate.check_rank("x", x, 2, "[M, K]")
-  _validate.check_rank("w", w, 2, "[K, N]")
+  _validate.check_rank("w", w, 2, "[N, K] (w_transposed=True)" if w_transposed else "[K, N]")
   _check_split("x", "the row count M", x.shape[0], mesh, (*batch_axes, axis_name))
-  _check_split("w", "the column count N", w.shape[1], mesh, (axis_name,))
-  body = functools.partial(all_gather_matmul, axis_name=axis_name, impl=impl, config=config)
+  _check_split("w", "the column count N", w.shape[0 if w_transposed else 1], mesh, (axis_name,))
+  body = functools.partial(all_gather_matmul, axis_name=axis_name, impl=impl, config=config,
+                           w_transposed=w_transposed)
   return shard_map_args(
       body, mesh,
-      (P(_spec_entry((*batch_axes, axis_name)), None), P(None, axis_name)),
+      (P(_spec_entry((*batch_axes, axis_name)), None),
+       P(axis_name, None) if w_transposed else P(None, axis_name)),
       P(_spec_entry(batch_axes), axis_name),
       x, w)
 
 
 def sharded_matmul_reduce_scatter(x, w, *, axis_name, mesh=None, batch_axes=(),
-                                  impl="auto", config=None):
+                                  impl="auto", config=None, w_transposed=False):
   """`x @ w` with K sharded over `axis_name`, reduce-scattered along rows.
 
   Args:
     x: [M, K], rows sharded over batch_axes, columns (K) over axis_name.
-    w: [K, N], rows (K) sharded over axis_name.
+    w: [K, N], rows (K) sharded over axis_name; with `w_transposed`, [N, K],
+      columns (K) sharded over axis_name, and the product is x @ w.T.
 
   Returns:
     [M, N], rows sharded over (*batch_axes, axis_name).
   """
   mesh, batch_axes = resolve_mesh(mesh, axis_name, batch_axes)
   _validate.check_rank("x", x, 2, "[M, K]")
-  _validate.check_rank("w", w, 2, "[K, N]")
+  _validate.check_rank("w", w, 2, "[N, K] (w_transposed=True)" if w_transposed else "[K, N]")
   _check_split("x", "the row count M", x.shape[0], mesh, (*batch_axes, axis_name))
   _check_split("x", "the contraction size K", x.shape[1], mesh, (axis_name,))
-  _check_split("w", "the contraction size K (rows)", w.shape[0], mesh, (axis_name,))
-  body = functools.partial(matmul_reduce_scatter, axis_name=axis_name, impl=impl, config=config)
+  _check_split("w", "the contraction size K", w.shape[1 if w_transposed else 0], mesh,
+               (axis_name,))
+  body = functools.partial(matmul_reduce_scatter, axis_name=axis_name, impl=impl, config=config,
+                           w_transposed=w_transposed)
   return shard_map_args(
       body, mesh,
-      (P(_spec_entry(batch_axes), axis_name), P(axis_name, None)),
+      (P(_spec_entry(batch_axes), axis_name),
+       P(None, axis_name) if w_transposed else P(axis_name, None)),
       P(_spec_entry((*batch_axes, axis_name)), None),
       x, w)
 

@@ -94,6 +94,18 @@ class MatmulOpTests:
     reference.assert_close(dw_t, dw.T, jnp.float32, "dw")
 
   @pytest.mark.parametrize("impl", IMPLS)
+  def test_sharded_wrapper_takes_transposed_w(self, impl, axis_type):
+    d = 4
+    mesh = testkit.mesh_1d(d, axis_type)
+    x, w, xs, _ = self.inputs(mesh, d, *self.wrapper_dims(d), jnp.float32, "wrapper w.T", impl)
+    w_t = testkit.put(mesh, w.T, P(*reversed(self.W_SPEC)))
+    with jax.set_mesh(mesh):
+      out = jax.jit(functools.partial(type(self).SHARDED, axis_name=AXIS, impl=impl,
+                                      w_transposed=True))(xs, w_t)
+    assert out.sharding.is_equivalent_to(jax.NamedSharding(mesh, self.OUT_SPEC), 2)
+    reference.assert_close(out, reference.matmul(x, w), jnp.float32)
+
+  @pytest.mark.parametrize("impl", IMPLS)
   @pytest.mark.parametrize("d,dtype", [(2, jnp.float32), (4, jnp.bfloat16), (8, jnp.float16)],
                            ids=["D2-float32", "D4-bfloat16", "D8-float16"])
   def test_sharded_wrapper_matches_reference(self, d, dtype, impl, axis_type):

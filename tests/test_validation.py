@@ -54,6 +54,9 @@ PER_SHARD_CASES = {
                    r"w must have rank 2"),
     "agm-k-mismatch": (lambda: per_shard(AGM, S(4, 8), S(6, 8)), ValueError,
                        r"x and w must share the contraction size K"),
+    "agm-w-transposed-k-mismatch": (
+        lambda: per_shard(AGM, S(4, 8), S(8, 6), w_transposed=True), ValueError,
+        r"w is \(8, 6\) \(\[N_shard, K\] \(w_transposed=True\)\)"),
     "agm-dtype-mismatch": (lambda: per_shard(AGM, S(4, 8, dtype=BF16), S(8, 8, dtype=F16)),
                            TypeError, r"w has dtype float16 but x has bfloat16"),
     "agm-int32": (lambda: per_shard(AGM, S(4, 8, dtype=I32), S(8, 8, dtype=I32)), TypeError,
@@ -77,6 +80,9 @@ PER_SHARD_CASES = {
     "mrs-w-rank": (lambda: per_shard(MRS, S(4, 8), S(8)), ValueError, r"w must have rank 2"),
     "mrs-k-mismatch": (lambda: per_shard(MRS, S(4, 8), S(6, 8)), ValueError,
                        r"x and w must share the contraction size K_shard"),
+    "mrs-w-transposed-k-mismatch": (
+        lambda: per_shard(MRS, S(4, 8), S(8, 6), w_transposed=True), ValueError,
+        r"w is \(8, 6\) \(\[N, K_shard\] \(w_transposed=True\)\)"),
     "mrs-m-not-divisible": (lambda: per_shard(MRS, S(6, 8), S(8, 8)), ValueError,
                             r"x: the row count M = 6 must be divisible by 4"),
     "mrs-dtype-mismatch": (lambda: per_shard(MRS, S(4, 8), S(8, 8, dtype=BF16)), TypeError,
