@@ -68,6 +68,13 @@ def _pallas_support(p: Problem) -> str | None:
 # 32, level at 64; D = 4 1.29x at 512 rows, 1.04x at 64, 0.6-0.7x at 16-32.
 _AUTO_MIN_ROWS = {1: 0, 2: 128}
 _AUTO_MIN_ROWS_MANY = 512
+# At D = 2 the threshold also depends on K_shard (session 27's auto grid, 8B /
+# 70B / 405B-like o and down projections, results/h100x2_auto_grid.json): at
+# 64 rows per device the kernel was 1.04-1.24x faster with K_shard <= 4096 and
+# 0.69-0.96x with K_shard >= 7168; at 256 rows faster everywhere but K_shard
+# 26624 (0.92x), from 1024 rows faster everywhere. (K_shard limit, least rows).
+_AUTO_D2_SHORT_K = (4096, 64)
+_AUTO_D2_LONG_K = (16384, 1024)
 
 
 def _pallas_caveat(p: Problem) -> str | None:
@@ -79,12 +86,20 @@ def _key(p: Problem) -> str:
   return tuned.problem_key(p.axis_size, p.m, p.k_shard, p.n, p.dtype)
 
 
+def _least_rows(p: Problem) -> int:
+  """The least rows per device at which "auto" takes the kernel for `p`."""
+  if p.axis_size == 2 and p.k_shard <= _AUTO_D2_SHORT_K[0]:
+    return _AUTO_D2_SHORT_K[1]
+  if p.axis_size == 2 and p.k_shard >= _AUTO_D2_LONG_K[0]:
+    return _AUTO_D2_LONG_K[1]
+  return _AUTO_MIN_ROWS.get(p.axis_size, _AUTO_MIN_ROWS_MANY)
+
+
 def _rows_rule(p: Problem) -> str | None:
-  rows = p.m // p.axis_size
-  least = _AUTO_MIN_ROWS.get(p.axis_size, _AUTO_MIN_ROWS_MANY)
+  rows, least = p.m // p.axis_size, _least_rows(p)
   if rows < least:
-    return (f"measured slower than BSP at {rows} rows per device with D = {p.axis_size}"
-            f" (auto takes it from {least}); impl='pallas' runs it.")
+    return (f"measured slower than BSP at {rows} rows per device with D = {p.axis_size} and"
+            f" K_shard = {p.k_shard} (auto takes it from {least}); impl='pallas' runs it.")
   return None
 
 

@@ -163,20 +163,24 @@ def test_matmul_reduce_scatter_in_float32_is_an_xla_path():
   assert choice.impl == "xla_bsp"
 
 
-@pytest.mark.parametrize("d,m,impl", [(2, 64, "xla_bsp"), (2, 256, "pallas"), (4, 1024, "xla_bsp"),
-                                      (4, 2048, "pallas"), (8, 8 * 512, "pallas")])
-def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, impl, monkeypatch):
+@pytest.mark.parametrize("d,m,k,impl", [
+    (2, 64, 4096, "xla_bsp"), (2, 128, 4096, "pallas"), (2, 128, 7168, "xla_bsp"),
+    (2, 256, 7168, "pallas"), (2, 512, 26624, "xla_bsp"), (2, 2048, 26624, "pallas"),
+    (4, 1024, 4096, "xla_bsp"), (4, 2048, 4096, "pallas"), (8, 8 * 512, 4096, "pallas")])
+def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, k, impl,
+                                                                       monkeypatch):
   """With the platform check passed (as on Hopper), "auto" follows the
-  measured rule by rows per device and D, and says why it declines."""
+  measured rule by rows per device, D and (at D = 2) K_shard, and says why it
+  declines."""
   from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  choice = jax_overlap.explain_matmul_reduce_scatter(S(m, 4096), S(4096, 7168), axis_size=d)
+  choice = jax_overlap.explain_matmul_reduce_scatter(S(m, k), S(k, 7168), axis_size=d)
   assert choice.impl == impl
   if impl == "xla_bsp":
     [(name, reason)] = choice.rejected
     assert name == "pallas" and "measured slower than BSP" in reason
-  named = jax_overlap.explain_matmul_reduce_scatter(S(m, 4096), S(4096, 7168), axis_size=d,
+  named = jax_overlap.explain_matmul_reduce_scatter(S(m, k), S(k, 7168), axis_size=d,
                                                     impl="pallas")
   assert named.impl == "pallas"
 
