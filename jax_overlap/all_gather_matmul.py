@@ -38,8 +38,8 @@ class Problem:
   dtype: np.dtype
   config: object | None
   w_transposed: bool = False
-  # Why the axis's devices are not all in this process (the kernels need
-  # them to be), or None: `platform.axis_process_reason`.
+  # Why the kernels cannot reach their peers in this job, or None:
+  # `platform.peer_access_reason`.
   process_reason: str | None = None
 
 

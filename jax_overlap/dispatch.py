@@ -26,11 +26,12 @@ logger = logging.getLogger("jax_overlap")
 
 # Why "auto" keeps the fused kernels out of multi-process jobs for now.
 MULTI_PROCESS_REASON = (
-    "in a multi-process job (jax.process_count() > 1) the fused kernels failed on every layout"
-    " tried (H100s, 2 x 2 GPUs with the op's axis inside each process, 2 x 1 with it across):"
-    " XLA's setup of their peer addresses stops in NCCL (ncclGetPeerDevicePointer: 'unhandled"
-    " system error'; BUILD.md, multi-process jobs), so impl='auto' takes the XLA path;"
-    " impl='pallas' runs them, to try another cluster.")
+    "in a multi-process job (jax.process_count() > 1) impl='auto' takes the XLA path: the"
+    " kernels need NCCL >= 2.29.2 there (jaxlib 0.11.2 brings 2.28.9), and even with it"
+    " (2.32.3, 2 H100s, one process per GPU: correct outside loops) XLA registers their"
+    " buffers inside lax.scan / while loops at offsets NCCL refuses ('Window address must be"
+    " suitably aligned'; BUILD.md, multi-process jobs). impl='pallas' runs them where NCCL"
+    " allows, outside loops.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +54,18 @@ Support = Callable[[object], str | None]
 
 
 def in_processes(problem, axis_name):
-  """`problem` with its `process_reason` set for mesh axis `axis_name` (None:
-  unchanged): why the axis's devices are not all in this process, which the
-  fused kernels need (`pallas_kernels.platform.axis_process_reason`)."""
+  """`problem` with its `process_reason` set (None: unchanged) when it
+  communicates over mesh axis `axis_name`: why the fused kernels cannot reach
+  their peers here (`pallas_kernels.platform.peer_access_reason`)."""
   if axis_name is None:
     return problem
-  return dataclasses.replace(problem, process_reason=platform.axis_process_reason(axis_name))
+  return dataclasses.replace(problem, process_reason=platform.peer_access_reason())
 
 
 def single_process(rule: Support) -> Support:
   """An auto rule that refuses every problem in a multi-process job
   (`MULTI_PROCESS_REASON`) and is `rule` otherwise: for the fused kernels,
-  whose peer addressing failed across processes."""
+  which XLA cannot give their peers' buffers inside loops there."""
   def check(problem) -> str | None:
     if jax.process_count() > 1:
       return MULTI_PROCESS_REASON

@@ -1,9 +1,12 @@
 """Where the Mosaic GPU kernels can run."""
 
-import math
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import os
 
 import jax
-import numpy as np
 
 
 def hopper_unavailable_reason() -> str | None:
@@ -37,77 +40,96 @@ def device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def axis_process_reason(axis_name) -> str | None:
-  """None if every device along mesh axis `axis_name` belongs to one process,
-  else why the fused kernels cannot run over it here.
+# NCCL's entry point through which XLA hands a Mosaic GPU kernel the addresses
+# of its peers' buffers in a multi-process job (NCCL >= 2.29.2). In one process
+# XLA maps peer memory itself; across processes it goes through NCCL's
+# symmetric-memory windows, and with an older NCCL XLA's loader reports the
+# missing symbol as ncclSystemError ("unhandled system error").
+NCCL_PEER_POINTER_SYMBOL = "ncclGetPeerDevicePointer"
+NCCL_PEER_POINTER_VERSION = (2, 29, 2)
+NCCL_UPGRADE_HINT = "pip install -U 'nvidia-nccl-cu13>=2.29.2' (or nvidia-nccl-cu12 for CUDA 12)"
 
-  Call it while tracing inside `jax.shard_map` (under `jax.jit` or not) over
-  a mesh that has `axis_name` (a name or a tuple of names). The kernels are
-  built and checked with every peer in the calling process (peer buffers
-  through XLA's collective metadata). Peers in other processes are out of
-  reach in jax 0.11.2: Mosaic GPU's NVSHMEM path is switched on by
-  `--xla_gpu_experimental_enable_nvshmem`, which this jaxlib's XLA rejects
-  ("Unknown flag in XLA_FLAGS"), and XLA's collective metadata across
-  processes failed on the project's GPUs (BUILD.md, multi-process jobs).
-  Other mesh axes may span processes (one process per host, tensor
-  parallelism inside it).
 
-  The rule, by what is visible while tracing:
-  - one process (`jax.process_count() == 1`): None;
-  - the axis has more devices than this process owns: it spans processes;
-  - otherwise the devices are read from the concrete mesh set by
-    `jax.set_mesh` (shard_map itself shows its body only the abstract mesh,
-    axis names and sizes): each group of devices along the axis (one group per
-    index of the other axes) must lie in one process, in every group (every
-    process traces the same program, so the answer is the same everywhere);
-  - no concrete mesh with this mesh's axis names and sizes is set: the
-    devices cannot be seen, so the answer is a reason too (the XLA paths are
-    correct either way; the kernels only run where that is certain).
+@dataclasses.dataclass(frozen=True)
+class NcclLibrary:
+  """The NCCL library this process's XLA loads (or would load).
+
+  Attributes:
+    path: the shared library's file.
+    version: (major, minor, patch) from ncclGetVersion, or None if unknown.
+    peer_pointers: whether it exports `NCCL_PEER_POINTER_SYMBOL`.
   """
-  # The concrete mesh of `jax.set_mesh`; jax 0.11.2 has no public getter that
-  # works under jit (jax.sharding.get_mesh refuses inside a trace).
-  from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  path: str
+  version: tuple[int, int, int] | None
+  peer_pointers: bool
 
-  num_processes = jax.process_count()
-  if num_processes == 1:
-    return None
-  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  abstract = jax.sharding.get_abstract_mesh()
-  advice = (
-      " Put the tensor-parallel axis inside each host's devices (one process per host,"
-      " other mesh axes across processes), or use impl='xla_bsp'."
-  )
-  if not set(names) <= set(abstract.axis_names):
-    return (
-        f"with {num_processes} processes, the fused kernels need the devices of mesh axis"
-        f" {axis_name!r} in one process, and no mesh with that axis is set here (call inside"
-        f" jax.shard_map under `with jax.set_mesh(mesh):`)." + advice
-    )
-  size = math.prod(abstract.shape[n] for n in names)
 
-  def spans(processes: str) -> str:
-    return (
-        f"the fused kernels need all devices of mesh axis {axis_name!r} in one process, but"
-        f" here the axis spans {processes}"
-        f" of the {num_processes} processes; the kernels cannot reach peers in other processes"
-        " (NVSHMEM cannot be enabled in jax 0.11.2; BUILD.md, multi-process jobs)." + advice
-    )
+def _nccl_candidates() -> list[str]:
+  """Where XLA's NCCL is, most certain first: a libnccl already mapped into
+  this process; the `nvidia-nccl-*` wheel's library, which the pip-installed
+  CUDA plugin loads; the dynamic linker's search path."""
+  found = []
+  try:
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+      for line in maps:
+        path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+        if os.path.basename(path).startswith("libnccl.so"):
+          found.append(path)
+  except OSError:
+    pass
+  try:
+    import nvidia.nccl  # pylint: disable=import-outside-toplevel
+    found += [os.path.join(d, "lib", "libnccl.so.2") for d in nvidia.nccl.__path__]
+  except ImportError:
+    pass
+  if linked := ctypes.util.find_library("nccl"):
+    found.append(linked)
+  return [p for p in dict.fromkeys(found) if os.path.exists(p) or not os.path.isabs(p)]
 
-  if size > jax.local_device_count():
-    return spans(f"{-(-size // jax.local_device_count())} or more")
-  concrete = mesh_lib.get_concrete_mesh()
-  if concrete.empty or concrete.shape_tuple != abstract.shape_tuple:
-    return (
-        f"with {num_processes} processes, the fused kernels need the devices of mesh axis"
-        f" {axis_name!r} in one process, which can only be checked while tracing when the"
-        " mesh is set by jax.set_mesh (shard_map shows its body only the abstract mesh)."
-        " Call under `with jax.set_mesh(mesh):`, or use impl='xla_bsp'."
-    )
-  processes = np.vectorize(lambda d: d.process_index, otypes=[int])(concrete.devices)
-  along = [concrete.axis_names.index(n) for n in names]
-  others = [i for i in range(processes.ndim) if i not in along]
-  groups = processes.transpose(others + along).reshape(-1, size)
-  widest = max(len(set(group)) for group in groups)
-  if widest > 1:
-    return spans(str(widest))
+
+@functools.cache
+def nccl_library() -> NcclLibrary | None:
+  """The first NCCL of `_nccl_candidates` that loads, or None."""
+  for path in _nccl_candidates():
+    try:
+      lib = ctypes.CDLL(path)
+    except OSError:
+      continue
+    version = None
+    code = ctypes.c_int()
+    if hasattr(lib, "ncclGetVersion") and lib.ncclGetVersion(ctypes.byref(code)) == 0:
+      version = (code.value // 10000, code.value % 10000 // 100, code.value % 100)
+    return NcclLibrary(path, version, hasattr(lib, NCCL_PEER_POINTER_SYMBOL))
   return None
+
+
+def nccl_peer_pointer_reason(library: NcclLibrary | None) -> str | None:
+  """None if `library` can give the kernels their peers' addresses across
+  processes, else why not and how to fix it."""
+  if library is not None and library.peer_pointers:
+    return None
+  what = ("no NCCL library was found in this process" if library is None else
+          f"this process's NCCL ({library.path}, version"
+          f" {'.'.join(map(str, library.version)) if library.version else 'unknown'}) lacks"
+          f" {NCCL_PEER_POINTER_SYMBOL}")
+  return (
+      "in a multi-process job XLA gives the fused kernels their peers' addresses through"
+      f" {NCCL_PEER_POINTER_SYMBOL} (NCCL >= {'.'.join(map(str, NCCL_PEER_POINTER_VERSION))}),"
+      f" and {what}: {NCCL_UPGRADE_HINT}, or use impl='xla_bsp'."
+  )
+
+
+def peer_access_reason() -> str | None:
+  """None if the fused kernels can reach their peers' memory here, else why
+  not (the sentence `auto` logs and impl="pallas" raises).
+
+  One process: None (XLA maps the peers' memory itself). Several processes
+  (`jax.distributed`), whether or not the op's axis spans them: the NCCL
+  that XLA loads must export `NCCL_PEER_POINTER_SYMBOL`
+  (`nccl_peer_pointer_reason`). jaxlib 0.11.2's wheels bring NCCL 2.28.9,
+  which does not; with NCCL 2.32.3 the kernels ran with the axis across two
+  processes on 2 H100s (BUILD.md, multi-process jobs).
+  """
+  if jax.process_count() == 1:
+    return None
+  return nccl_peer_pointer_reason(nccl_library())

@@ -22,9 +22,11 @@ Scenarios:
     element by element, repeated calls, a layer scan; then back-to-back
     timings (`TIME` lines). With P = 1 it is the single-process baseline.
   gpu_tp_inside_auto: the same with impl="auto" only (no timings).
-  gpu_tp_across: P processes x 1 GPU, "tp" across them: the support check
-    refuses the kernels, impl="auto" takes XLA, impl="pallas" raises; results,
-    repeated calls and a layer scan against impl="xla_bsp".
+  gpu_tp_across: P processes x 1 GPU, "tp" across them: with an NCCL that
+    lacks peer pointers the support check refuses the kernels and
+    impl="pallas" raises, else impl="pallas" runs them (no loops); impl="auto"
+    takes XLA; results, repeated calls and a layer scan against
+    impl="xla_bsp".
 """
 
 import dataclasses
@@ -128,50 +130,40 @@ def rng(*key) -> np.random.Generator:
 # --- the support check ---------------------------------------------------------
 
 
-def reasons_inside(mesh: Mesh, axes, *, set_mesh: bool = True) -> dict:
-  """axis -> platform.axis_process_reason(axis), asked while jit traces a
+def reasons_inside(mesh: Mesh, axes) -> dict:
+  """axis -> platform.peer_access_reason(), asked while jit traces a
   shard_map body over `mesh` (nothing runs)."""
   got = {}
 
   def body(x):
     for axis in axes:
-      got[axis] = platform.axis_process_reason(axis)
+      got[axis] = platform.peer_access_reason()
     return x
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))
   arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P()))
-  if set_mesh:
-    with jax.set_mesh(mesh):
-      f.trace(arg)
-  else:
+  with jax.set_mesh(mesh):
     f.trace(arg)
   return got
 
 
-def check_support_inside():
-  got = reasons_inside(tp_inside(), ("tp", "dp", ("dp", "tp")))
-  assert got["tp"] is None, got["tp"]
-  for axis in ("dp", ("dp", "tp")):
-    assert got[axis] and "spans" in got[axis] and "NVSHMEM" in got[axis], (axis, got[axis])
+def nccl_has_peer_pointers() -> bool:
+  lib = platform.nccl_library()
+  return lib is not None and lib.peer_pointers
 
 
-def check_support_across():
-  got = reasons_inside(tp_across(), ("tp", "dp"))
-  assert got["tp"] and "spans 2 of the 2 processes" in got["tp"], got["tp"]
-  assert "impl='xla_bsp'" in got["tp"], got["tp"]
-  assert got["dp"] is None, got["dp"]
-
-
-def check_support_without_set_mesh():
-  """Devices not visible while tracing: refused, with what to do."""
-  mesh = mesh_of(np.array(jax.devices()).reshape(jax.process_count(), -1), AxisType.Auto)
-  got = reasons_inside(mesh, ("tp",), set_mesh=False)
-  assert got["tp"] and "jax.set_mesh" in got["tp"], got["tp"]
-
-
-def check_support_outside_shard_map():
-  reason = platform.axis_process_reason("tp")
-  assert reason and "jax.set_mesh" in reason, reason
+def check_support():
+  """Whichever axis, inside the processes or across them: the kernels'
+  peer access depends on NCCL only (None in one process or where NCCL has
+  peer pointers, else the reason with its fix)."""
+  reachable = jax.process_count() == 1 or nccl_has_peer_pointers()
+  for mesh in (tp_inside(), tp_across()):
+    for axis, reason in reasons_inside(mesh, ("tp", "dp", ("dp", "tp"))).items():
+      if reachable:
+        assert reason is None, (axis, reason)
+      else:
+        assert reason and "ncclGetPeerDevicePointer" in reason and "impl='xla_bsp'" in reason, (
+            axis, reason)
 
 
 # --- the ops ---------------------------------------------------------------------
@@ -264,10 +256,7 @@ def check_model(mesh: Mesh, impl: str):
 def scenario_cpu():
   assert jax.process_count() == 2 and jax.local_device_count() == 4, (
       jax.process_count(), jax.local_device_count())
-  check("support_inside", check_support_inside)
-  check("support_across", check_support_across)
-  check("support_without_set_mesh", check_support_without_set_mesh)
-  check("support_outside_shard_map", check_support_outside_shard_map)
+  check("support", check_support)
   inside = tp_inside()
   for impl in ("xla_bsp", "xla_ring", "auto"):
     check(f"all_gather_matmul_{impl}", check_all_gather_matmul, inside, impl)
@@ -519,7 +508,7 @@ def scenario_gpu_tp_inside(impl: str = "pallas"):
   """P processes x 2+ GPUs (P = 1: the single-process baseline)."""
   mesh = tp_inside()
   assert mesh.shape["tp"] >= 2, dict(mesh.shape)
-  check("support_inside", lambda: _assert_none(reasons_inside(mesh, ("tp",))["tp"]))
+  check("support", check_support)
   for each in dict.fromkeys((impl, "auto")):
     check(f"all_gather_matmul_{each}", check_gpu_all_gather_matmul, mesh, each)
     check(f"flash_decode_{each}", check_gpu_flash_decode, mesh, each)
@@ -543,10 +532,6 @@ def scenario_gpu_code_on_cpu():
     check(f"across_{name}_auto", fn, mesh, "auto")
 
 
-def _assert_none(reason):
-  assert reason is None, reason
-
-
 def _choice_logged(trace) -> str:
   """The `Choice` lines the ops log (logger "jax_overlap", DEBUG) while
   `trace()` traces them."""
@@ -567,13 +552,12 @@ def _choice_logged(trace) -> str:
 
 
 def check_gpu_across_refused(mesh):
-  """"tp" across processes: auto takes a path without the fused kernels,
-  naming the reason (the matmuls XLA's; the decode `pallas_bsp`, the local
-  Triton kernel with XLA's all-gather, which needs no peer addresses);
-  impl="pallas" raises ValueError with it; `explain` says so too where it can
-  be told the axis."""
+  """"tp" across processes with an NCCL that lacks peer pointers: auto takes
+  a path without the fused kernels, naming the reason (the matmuls XLA's; the
+  decode `pallas_bsp`, the local Triton kernel with XLA's all-gather, which
+  needs no peer addresses); impl="pallas" raises ValueError with it."""
   reason = reasons_inside(mesh, ("tp",))["tp"]
-  assert reason and "NVSHMEM" in reason, reason
+  assert reason and "ncclGetPeerDevicePointer" in reason, reason
   x, w = _ag_inputs(mesh, "gpu across")
   q, k, v, lens = _decode_inputs(mesh, "gpu across")
   with jax.set_mesh(mesh):
@@ -583,25 +567,33 @@ def check_gpu_across_refused(mesh):
                                ("flash_decode", _decode_fn, dec_args, "pallas_bsp")):
       logged = _choice_logged(lambda: fn(mesh, "auto").trace(*args))  # pylint: disable=cell-var-from-loop
       assert f"{op}: impl='auto' -> {want}; pallas rejected:" in logged, logged
-      assert "NVSHMEM" in logged, logged
+      assert "ncclGetPeerDevicePointer" in logged, logged
       try:
         fn(mesh, "pallas").trace(*args)
       except ValueError as e:
-        assert "NVSHMEM" in str(e), str(e)
+        assert "ncclGetPeerDevicePointer" in str(e), str(e)
       else:
         raise AssertionError(f"{op} impl='pallas' with 'tp' across processes did not raise")
     m, kk, n = AG_SHAPE
     choice = jax_overlap.explain_all_gather_matmul(
         jax.ShapeDtypeStruct((m, kk), BF16), jax.ShapeDtypeStruct((kk, n), BF16),
         axis_size=mesh.shape["tp"], axis_name="tp")
-    assert choice.impl == "xla_bsp" and "NVSHMEM" in str(choice), str(choice)
+    assert choice.impl == "xla_bsp" and "ncclGetPeerDevicePointer" in str(choice), str(choice)
 
 
 def scenario_gpu_tp_across():
-  """N processes x 1 GPU, "tp" over all of them."""
+  """N processes x 1 GPU, "tp" over all of them: impl="auto" (the XLA paths in
+  a multi-process job) against impl="xla_bsp"; the kernels refused where NCCL
+  lacks peer pointers, else run (impl="pallas", outside loops) and checked
+  against impl="xla_bsp"."""
   mesh = tp_across()
   assert mesh.shape["tp"] == jax.process_count() >= 2, dict(mesh.shape)
-  check("across_refused", check_gpu_across_refused, mesh)
+  if nccl_has_peer_pointers():
+    check("all_gather_matmul_pallas", check_gpu_all_gather_matmul, mesh, "pallas")
+    check("matmul_reduce_scatter_pallas", check_gpu_matmul_reduce_scatter, mesh, "pallas")
+    check("flash_decode_pallas", check_gpu_flash_decode, mesh, "pallas")
+  else:
+    check("across_refused", check_gpu_across_refused, mesh)
   check("all_gather_matmul_auto", check_gpu_all_gather_matmul, mesh, "auto")
   check("flash_decode_auto", check_gpu_flash_decode, mesh, "auto")
   check("layer_scan_auto", check_gpu_layer_scan, mesh, "auto")

@@ -324,20 +324,20 @@ def test_explain_marks_experimental_kernel_configs(monkeypatch):
     assert "caveat: " in str(choice)
 
 
-def test_explain_with_an_axis_name_checks_the_processes(monkeypatch):
-  """With axis_name, explain asks where the axis's devices live, as the op
-  does when traced: an axis across processes keeps the kernels off."""
+def test_explain_with_an_axis_name_checks_peer_access(monkeypatch):
+  """With axis_name, explain asks whether the kernels can reach their peers
+  in this job, as the op does when traced: where they cannot, the kernels
+  stay off and impl="pallas" raises with the reason."""
   from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  monkeypatch.setattr(platform, "axis_process_reason",
-                      lambda axis_name: f"axis {axis_name!r} spans 2 processes (NVSHMEM).")
+  monkeypatch.setattr(platform, "peer_access_reason", lambda: "NCCL lacks the peer pointers.")
   args = S(1024, 4096), S(4096, 4096)
   assert jax_overlap.explain_all_gather_matmul(*args, axis_size=2).impl == "pallas"
   choice = jax_overlap.explain_all_gather_matmul(*args, axis_size=2, axis_name="tp")
   assert choice.impl == "xla_bsp"
-  assert dict(choice.rejected)["pallas"] == "axis 'tp' spans 2 processes (NVSHMEM)."
-  with pytest.raises(ValueError, match="spans 2 processes"):
+  assert dict(choice.rejected)["pallas"] == "NCCL lacks the peer pointers."
+  with pytest.raises(ValueError, match="NCCL lacks the peer pointers"):
     jax_overlap.explain_matmul_reduce_scatter(S(4096, 4096), S(4096, 4096), axis_size=2,
                                               impl="pallas", axis_name="tp")
 

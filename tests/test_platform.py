@@ -1,0 +1,61 @@
+"""Where the kernels can run: the NCCL that multi-process jobs need
+(`pallas_kernels.platform`), checked on any machine."""
+
+import ctypes.util
+
+import jax
+import pytest
+
+from pallas_kernels import platform
+
+
+@pytest.fixture(autouse=True)
+def _fresh_nccl_cache():
+  platform.nccl_library.cache_clear()
+  yield
+  platform.nccl_library.cache_clear()
+
+
+def test_nccl_with_peer_pointers_is_accepted():
+  lib = platform.NcclLibrary("/x/libnccl.so.2", (2, 32, 3), peer_pointers=True)
+  assert platform.nccl_peer_pointer_reason(lib) is None
+
+
+def test_nccl_without_peer_pointers_is_named_with_the_fix():
+  lib = platform.NcclLibrary("/x/libnccl.so.2", (2, 28, 9), peer_pointers=False)
+  reason = platform.nccl_peer_pointer_reason(lib)
+  for part in ("/x/libnccl.so.2", "version 2.28.9", "lacks ncclGetPeerDevicePointer",
+               "NCCL >= 2.29.2", "pip install -U 'nvidia-nccl-cu13>=2.29.2'", "impl='xla_bsp'"):
+    assert part in reason, (part, reason)
+
+
+def test_missing_nccl_is_a_reason():
+  reason = platform.nccl_peer_pointer_reason(None)
+  assert "no NCCL library was found" in reason and "impl='xla_bsp'" in reason
+
+
+def test_one_process_needs_no_nccl(monkeypatch):
+  monkeypatch.setattr(platform, "nccl_library", lambda: None)
+  assert jax.process_count() == 1 and platform.peer_access_reason() is None
+
+
+@pytest.mark.parametrize("peer_pointers", [False, True])
+def test_several_processes_need_the_peer_pointers(monkeypatch, peer_pointers):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(platform, "nccl_library", lambda: platform.NcclLibrary(
+      "/x/libnccl.so.2", (2, 30, 1), peer_pointers))
+  reason = platform.peer_access_reason()
+  assert (reason is None) == peer_pointers, reason
+
+
+def test_nccl_library_reads_what_loads(monkeypatch):
+  """A candidate that does not load is passed over; one without NCCL's
+  symbols (here the C library) reads as no version and no peer pointers."""
+  libc = ctypes.util.find_library("c")
+  if libc is None:
+    pytest.skip("no C library found by name")
+  monkeypatch.setattr(platform, "_nccl_candidates", lambda: ["/nonexistent/libnccl.so.2", libc])
+  assert platform.nccl_library() == platform.NcclLibrary(libc, None, False)
+  platform.nccl_library.cache_clear()
+  monkeypatch.setattr(platform, "_nccl_candidates", lambda: [])
+  assert platform.nccl_library() is None
