@@ -119,7 +119,8 @@ class MatmulReduceScatterConfig:
       announcement comes: 1 (the default) after the next tile's K loop,
       awaiting all of the tile's granules, some issued a few K steps before;
       2 a tile later, awaiting only groups issued a whole tile earlier
-      (experimental: the v6 profile put ~7 kcyc per tile in `signal`).
+      (experimental: the v6 profile put ~7 kcyc per tile in `signal`; level
+      with 1 at D = 2).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -206,8 +207,8 @@ VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": wit
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
   """Why `config` is experimental (not yet measured faster on GPUs), or None."""
   if config.announce_lag != 1:
-    return (f"config.announce_lag={config.announce_lag} is experimental: not yet run on GPUs"
-            " (benchmarks/NOTES.md, RS v8).")
+    return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
+            " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
   return None
 
 
