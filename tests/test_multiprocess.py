@@ -189,8 +189,9 @@ CPU_CHECKS = [
 def test_two_processes_on_cpu(cpu_job, name):
   """support: platform.peer_access_reason inside shard_map over either
   layout (None where NCCL has peer pointers, else the reason); the ops over
-  ("dp", "tp") = (2, 4) against float64 NumPy; all_gather_matmul with "tp" across the processes; model_auto: forward,
-  training gradients and 8 decode steps."""
+  ("dp", "tp") = (2, 4) against float64 NumPy; all_gather_matmul with "tp"
+  across the processes; model_auto: forward, training gradients and 8 decode
+  steps."""
   _assert_passed(cpu_job, name)
 
 
