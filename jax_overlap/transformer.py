@@ -33,11 +33,18 @@ under `lax.scan`; a decode step unrolls them, each layer's KV cache being its
 own buffer: see `KVCache`), logits = rms_norm(x) * norm_final @ w_head.
 
 Parameter layouts do not depend on D (any D that divides the head and FFN
-counts takes the same arrays): w_qkv is [L, H, Hkv, G + 2, Dh] (per KV head:
-its G = Hq / Hkv query heads, its key, its value), so sharding it over Hkv
-gives every device whole query groups with their KV heads; query head
-h = kv * G + g reads KV head kv (as `jax.nn.dot_product_attention` and
-`flash_decode` expect). w_gate_up is [L, H, 2, F], sharded over F.
+counts takes the same arrays), and the matrices are stored as the matmuls take
+them, so that a layer's weights reach the ops as slices of the stacked
+parameters (a reshape there would make `lax.scan` keep a reshaped copy of
+every layer's weight for the backward pass: 4.4 GB per step at 8 70B-like
+layers and D = 2). w_qkv is [L, H, Hkv * (G + 2) * Dh]: its columns are
+(KV head, G + 2, Dh) in row-major order, per KV head its G = Hq / Hkv query
+heads, its key, its value, so sharding the columns over D gives every device
+whole query groups with their KV heads; query head h = kv * G + g reads KV
+head kv (as `jax.nn.dot_product_attention` and `flash_decode` expect).
+w_gate_up is [L, H, 2 F]: its columns are (F, 2) in row-major order, gate and
+up of FFN column f side by side, so sharding them over D gives every device
+gate and up of the same F / D columns.
 
 Entry points (global view; they apply `jax.shard_map` themselves and compose
 under `jax.jit`; the mesh is `mesh=` or the one `jax.set_mesh` set):
@@ -159,14 +166,15 @@ def init_params(key, config: TransformerConfig, layers: int) -> dict:
 
   {"embed": [V, H], "norm_final": [H] (ones), "w_head": [H, V],
    "layers": {"norm_attn", "norm_mlp": [L, H] (ones),
-              "w_qkv": [L, H, Hkv, G + 2, Dh], "w_o": [L, Hq * Dh, H],
-              "w_gate_up": [L, H, 2, F], "w_down": [L, F, H]}};
+              "w_qkv": [L, H, Hkv * (G + 2) * Dh], "w_o": [L, Hq * Dh, H],
+              "w_gate_up": [L, H, 2 F], "w_down": [L, F, H]}} (the
+  module docstring gives the column orders);
   matrices scaled by 1 / sqrt(fan-in), the embedding N(0, 1).
   """
   c, l = config, layers
-  shapes = {"w_qkv": ((l, c.hidden, c.kv_heads, c.group + 2, c.head_dim), c.hidden),
+  shapes = {"w_qkv": ((l, c.hidden, c.kv_heads * (c.group + 2) * c.head_dim), c.hidden),
             "w_o": ((l, c.q_heads * c.head_dim, c.hidden), c.q_heads * c.head_dim),
-            "w_gate_up": ((l, c.hidden, 2, c.ffn), c.hidden),
+            "w_gate_up": ((l, c.hidden, 2 * c.ffn), c.hidden),
             "w_down": ((l, c.ffn, c.hidden), c.ffn)}
   keys = jax.random.split(key, len(shapes) + 2)
   normal = lambda k, shape, fan_in: (
@@ -186,9 +194,9 @@ def param_specs(axis_name: str) -> dict:
   shards), the head over V (vocabulary-parallel logits)."""
   return {"embed": P(None, axis_name), "norm_final": P(), "w_head": P(None, axis_name),
           "layers": {"norm_attn": P(), "norm_mlp": P(),
-                     "w_qkv": P(None, None, axis_name, None, None),
+                     "w_qkv": P(None, None, axis_name),
                      "w_o": P(None, axis_name, None),
-                     "w_gate_up": P(None, None, None, axis_name),
+                     "w_gate_up": P(None, None, axis_name),
                      "w_down": P(None, axis_name, None)}}
 
 
@@ -348,9 +356,9 @@ def _qkv(x, p, ops: _Ops, positions):
   """This device's heads for the gathered rows, rotated: x [N / D, H] ->
   q [N, Hq / D, Dh], k and v [N, Hkv / D, Dh]; positions [N] (or broadcastable)."""
   c = ops.config
-  w = p["w_qkv"]  # [H, Hkv / D, G + 2, Dh]
-  qkv = ops.ag(_rms_norm(x, p["norm_attn"], c.eps), w.reshape(w.shape[0], -1))
-  qkv = qkv.reshape(qkv.shape[0], w.shape[1], c.group + 2, c.head_dim)
+  w = p["w_qkv"]  # [H, Hkv / D * (G + 2) * Dh]
+  qkv = ops.ag(_rms_norm(x, p["norm_attn"], c.eps), w)
+  qkv = qkv.reshape(qkv.shape[0], -1, c.group + 2, c.head_dim)
   q = qkv[:, :, :c.group].reshape(qkv.shape[0], -1, c.head_dim)
   k, v = qkv[:, :, c.group], qkv[:, :, c.group + 1]
   return _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta), v
@@ -359,14 +367,16 @@ def _qkv(x, p, ops: _Ops, positions):
 def _mlp(x, p, ops: _Ops):
   """x + SwiGLU(rms_norm(x)), per shard: x [N / D, H] -> [N / D, H]."""
   c = ops.config
-  w = p["w_gate_up"]  # [H, 2, F / D]: this device's gate columns, then its up columns
-  gate_up = ops.ag(_rms_norm(x, p["norm_mlp"], c.eps), w.reshape(w.shape[0], -1))
+  # w_gate_up [H, 2 F / D]: gate and up of this device's F / D columns, side by side
+  gate_up = ops.ag(_rms_norm(x, p["norm_mlp"], c.eps), p["w_gate_up"])
   return x + ops.mrs(_swiglu(gate_up), p["w_down"])
 
 
 @jax.custom_vjp
 def _swiglu(gate_up):
-  """silu(gate) * up in float32, back in gate_up's dtype: [N, 2 F / D] -> [N, F / D].
+  """silu(gate) * up in float32, back in gate_up's dtype: [N, 2 F / D] -> [N, F / D],
+  gate_up's columns being (F / D, 2) in row-major order: gate and up of each
+  FFN column side by side (the layout of w_gate_up).
 
   Its backward pass keeps only gate_up (its input, bf16 in the model) and
   recomputes the rest, where plain autodiff keeps float32 gate and up: at 8
@@ -374,8 +384,14 @@ def _swiglu(gate_up):
   fell from 41.5 to 27.7 GiB (XLA's memory analysis on an H100; with the
   fused kernels 43.7 to 29.7 GiB, which fits; measured before `_swiglu_fwd`'s
   barrier was added)."""
-  gate, up = jnp.split(gate_up.astype(_F32), 2, axis=-1)
+  gate, up = _gate_and_up(gate_up)
   return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
+
+
+def _gate_and_up(gate_up):
+  """[N, 2 F'] in (F', 2) column order -> gate, up [N, F'], float32."""
+  pairs = gate_up.astype(_F32).reshape(*gate_up.shape[:-1], -1, 2)
+  return pairs[..., 0], pairs[..., 1]
 
 
 def _swiglu_fwd(gate_up):
@@ -387,11 +403,12 @@ def _swiglu_fwd(gate_up):
 
 
 def _swiglu_bwd(gate_up, d_out):
-  gate, up = jnp.split(gate_up.astype(_F32), 2, axis=-1)
+  gate, up = _gate_and_up(gate_up)
   sig = jax.nn.sigmoid(gate)
   d = d_out.astype(_F32)
   d_gate = d * up * sig * (1 + gate * (1 - sig))  # d silu(g) / dg = sig (1 + g (1 - sig))
-  return (jnp.concatenate([d_gate, d * gate * sig], axis=-1).astype(gate_up.dtype),)
+  d_pairs = jnp.stack([d_gate, d * gate * sig], axis=-1)
+  return (d_pairs.reshape(gate_up.shape).astype(gate_up.dtype),)
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

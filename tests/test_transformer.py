@@ -69,7 +69,7 @@ class _Reference:
     for l in range(p["layers"]["w_o"].shape[0]):
       lp = {name: a[l] for name, a in p["layers"].items()}
       n = self._norm(x, lp["norm_attn"])
-      w = lp["w_qkv"]  # [H, Hkv, G + 2, Dh]
+      w = lp["w_qkv"].reshape(c.hidden, c.kv_heads, c.group + 2, c.head_dim)
       q = jnp.einsum("bsh,hkgd->bskgd", n, w[:, :, :c.group]).reshape(b, s, c.q_heads, -1)
       k = jnp.einsum("bsh,hkd->bskd", n, w[:, :, c.group])
       v = jnp.einsum("bsh,hkd->bskd", n, w[:, :, c.group + 1])
@@ -82,8 +82,8 @@ class _Reference:
         heads.append(jnp.einsum("bqk,bkd->bqd", weights, v[:, :, kv]))
       x = x + jnp.concatenate(heads, axis=-1) @ lp["w_o"]
       n = self._norm(x, lp["norm_mlp"])
-      gate = n @ lp["w_gate_up"][:, 0]
-      up = n @ lp["w_gate_up"][:, 1]
+      gate_up = lp["w_gate_up"].reshape(c.hidden, c.ffn, 2)  # (F, 2) column order
+      gate, up = n @ gate_up[..., 0], n @ gate_up[..., 1]
       x = x + (gate * jax.nn.sigmoid(gate) * up) @ lp["w_down"]
     return self._norm(x, p["norm_final"]) @ p["w_head"]
 
@@ -207,6 +207,53 @@ def test_train_step_is_an_sgd_step():
     _close(a, functools.reduce(lambda t, k: t[k.key], path, want), jax.tree_util.keystr(path))
 
 
+def _scans(jaxpr):
+  """Every scan equation in `jaxpr` and the jaxprs nested in its equations."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _scans(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _scans(sub)
+
+
+@pytest.mark.parametrize("impl", ["xla_bsp", "pallas"])
+def test_the_layer_loop_keeps_no_copy_of_the_weights(impl, monkeypatch):
+  """The training step's forward `lax.scan` stacks activations for the
+  backward pass, not the layers' weights: the ops get each layer's weights as
+  slices of the stacked parameters, which the scan forwards (a reshape on the
+  way made it stack a reshaped copy of w_qkv and w_gate_up: 4.4 GB per step at
+  8 70B-like layers and D = 2). Traced only, at D = 2; with impl="pallas" the
+  kernels are made available so that the fused ops' custom VJPs are traced."""
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  if impl == "pallas":
+    monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+    monkeypatch.setattr(platform, "num_sms", lambda: 132)
+    monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  config = transformer.MODELS["tiny"]  # bf16, every per-device matrix a whole number of tiles
+  mesh = testkit.mesh_1d(2)
+  params = jax.eval_shape(lambda k: transformer.init_params(k, config, LAYERS),
+                          jax.random.key(0))
+  params = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.NamedSharding(mesh, s)),
+      params, transformer.param_specs(AXIS))
+  # 192 rows per device: no activation shares a weight's per-device shape.
+  tokens = jax.ShapeDtypeStruct((1, 384), jnp.int32, sharding=jax.NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh):
+    closed = jax.make_jaxpr(functools.partial(
+        transformer.loss_and_grads, config=config, axis_name=AXIS, impl=impl))(
+            params, tokens, tokens)
+  forward = next(_scans(closed.jaxpr))
+  weights = {(LAYERS, *(n // 2 if i == split else n for i, n in enumerate(a.shape[1:])))
+             for name, a in params["layers"].items() if name.startswith("w_")
+             for split in [transformer.param_specs(AXIS)["layers"][name].index(AXIS) - 1]}
+  stacked = [tuple(v.aval.shape) for v in forward.outvars]
+  assert len(stacked) > 2 and not weights & set(stacked), (weights, stacked)
+
+
 def test_swiglu_gradient_matches_autodiff():
   """The SwiGLU's hand-written backward (it keeps only its input) against
   autodiff of the same formula, float32, on fresh random data."""
@@ -214,8 +261,8 @@ def test_swiglu_gradient_matches_autodiff():
   gate_up = jnp.asarray(gen.standard_normal((32, 2 * 48)) * 3, jnp.float32)
   d_out = jnp.asarray(gen.standard_normal((32, 48)), jnp.float32)
 
-  def plain(a):
-    gate, up = jnp.split(a, 2, axis=-1)
+  def plain(a):  # gate and up of each column side by side, as in w_gate_up
+    gate, up = a[:, 0::2], a[:, 1::2]
     return jax.nn.silu(gate) * up
 
   np.testing.assert_allclose(transformer._swiglu(gate_up), plain(gate_up), rtol=1e-6)
