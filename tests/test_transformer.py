@@ -226,7 +226,8 @@ def test_the_layer_loop_keeps_no_copy_of_the_weights(impl, monkeypatch):
   backward pass, not the layers' weights: the ops get each layer's weights as
   slices of the stacked parameters, which the scan forwards (a reshape on the
   way made it stack a reshaped copy of w_qkv and w_gate_up: 4.4 GB per step at
-  8 70B-like layers and D = 2). Traced only, at D = 2; with impl="pallas" the
+  8 70B-like layers and D = 2); nor float32 copies of the residual stream
+  (the RMSNorms' backward keeps their bf16 input). Traced only, at D = 2; with impl="pallas" the
   kernels are made available so that the fused ops' custom VJPs are traced."""
   from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   if impl == "pallas":
@@ -252,6 +253,28 @@ def test_the_layer_loop_keeps_no_copy_of_the_weights(impl, monkeypatch):
              for split in [transformer.param_specs(AXIS)["layers"][name].index(AXIS) - 1]}
   stacked = [tuple(v.aval.shape) for v in forward.outvars]
   assert len(stacked) > 2 and not weights & set(stacked), (weights, stacked)
+  # Nor float32 copies of the residual stream (the RMSNorms keep their bf16 input).
+  rows = tokens.shape[1] // 2
+  f32 = [tuple(v.aval.shape) for v in forward.outvars if v.aval.dtype == jnp.float32]
+  assert (LAYERS, rows, config.hidden) not in f32, f32
+
+
+def test_rms_norm_gradient_matches_autodiff():
+  """The RMSNorm's hand-written backward (it keeps its input and one float32
+  per row) against autodiff of the same formula, float32, fresh random data."""
+  gen = testkit.rng("rms_norm")
+  x = jnp.asarray(gen.standard_normal((3, 16, 64)) * 2, jnp.float32)
+  scale = jnp.asarray(1 + 0.5 * gen.standard_normal(64), jnp.float32)
+  d_out = jnp.asarray(gen.standard_normal((3, 16, 64)), jnp.float32)
+
+  def plain(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+  np.testing.assert_allclose(transformer._rms_norm(x, scale, 1e-5), plain(x, scale), rtol=1e-6)
+  want = jax.vjp(plain, x, scale)[1](d_out)
+  got = jax.vjp(lambda x, s: transformer._rms_norm(x, s, 1e-5), x, scale)[1](d_out)
+  for g, w, what in zip(got, want, ("x", "scale")):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=what)
 
 
 def test_swiglu_gradient_matches_autodiff():
