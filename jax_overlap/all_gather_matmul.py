@@ -53,11 +53,11 @@ def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
 
 def _pallas_support(p: Problem) -> str | None:
   return platform.hopper_unavailable_reason() or p.process_reason or kernel.unsupported_reason(
-      p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p))
+      p.m_shard, p.k, p.n_shard, p.dtype, _kernel_config(p), axis_size=p.axis_size)
 
 
 def _pallas_caveat(p: Problem) -> str | None:
-  return kernel.experimental_reason(_kernel_config(p))
+  return kernel.experimental_reason(_kernel_config(p), axis_size=p.axis_size)
 
 
 def _key(p: Problem) -> str:

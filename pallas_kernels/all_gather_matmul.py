@@ -40,6 +40,14 @@ me + 1, which come earlier in every block's order); a kernel that XLA ran
 concurrently on another stream and that held SMs could break that (not seen;
 the grid is sized to the SMs).
 
+With `config.whole_rows` (decode-size rows, `default_config` past one wave of
+wide weights) every tile spans all D x M_shard gathered rows, [D * M_shard,
+cta_n], so w streams from HBM once instead of once per step: the gathered
+problem is bound by that read. The rows travel by "push" (the own rows into
+the own receive buffer too, announced locally), and a tile's memory
+warpgroup waits, before each group of K pieces, until every device's pieces
+of that group are in.
+
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,
 so no device writes into a peer's buffer before that peer has entered the
@@ -106,6 +114,17 @@ _FIRST_GROUP_PIECES = 2
 # stalls the forwarding warpgroup).
 _FIRST_GROUP_STEPS = 8
 _SETTLE_STEPS = 4
+# whole_rows: the most gathered rows a tile spans, and the fewest columns per
+# device for which `default_config` takes it: 64 column tiles of 128 at
+# least, since one SM streams ~35 GB/s at most and ~100 of them reach the
+# HBM rate (benchmarks/NOTES.md, decode v14).
+_WHOLE_MAX_ROWS = 256
+_WHOLE_MIN_COLS = 8192
+# whole_rows tiles: 256 columns per CTA from this many column tiles (fewer,
+# and too few SMs stream w), and the ring's depth by CTA columns (4 stages
+# were 0.5-3% faster than 6 at 128 x 128, 3 the best at 128 x 256; AG v21).
+_WHOLE_WIDE_TILES = 96
+_WHOLE_STAGES = {128: 4, 256: 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +166,17 @@ class AllGatherMatmulConfig:
       forwarding tiles of its chunk instead of starting after them.
       Experimental: passes the GPU tests at D = 4, slower than without it
       (benchmarks/NOTES.md, AG v20).
+    whole_rows: every tile spans the D x M_shard gathered rows (tiles.cta_m
+      must equal D * M_shard; one row chunk per device, strip_chunks None),
+      so w is read from HBM once, not once per device's rows: for
+      decode-size rows, where that read bounds the op. Needs send "push".
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
   pushers: int | None = None
   strip_chunks: int | None = None
   stream: bool = False
+  whole_rows: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -161,7 +185,8 @@ class AllGatherMatmulConfig:
   @classmethod
   def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
-               strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False))
+               strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
+               whole_rows=d.get("whole_rows", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -170,10 +195,35 @@ class AllGatherMatmulConfig:
     return next((c for c in (256, 128, 64) if k % c == 0 and c % tile_k == 0), tile_k)
 
 
+def whole_rows_tiles(rows: int, n_shard: int, dtype) -> gemm_core.GemmTiles | None:
+  """Tiles for `whole_rows` over `rows` = D x M_shard gathered rows (64, 128
+  or 256; else None) and N_shard columns: the warpgroups side by side up to
+  128 rows (stacked at 256), 256 columns per CTA where that still gives
+  `_WHOLE_WIDE_TILES` column tiles, else 128; a ring of `_WHOLE_STAGES` by
+  CTA columns (at most what fits). Measured on 2 H100s (benchmarks/NOTES.md, AG v21): at
+  64 x 8192 x 28672 per shard 112 tiles of 128 x 256 took 182.6 µs against
+  184.7-188.7 for 224 of 128 x 128 with 4-6 stages; at 64 x 4096 x 14336, 112
+  tiles of 128 x 128 took 58.9 against 56 of 128 x 256 outside the best 8."""
+  if rows not in (64, 128, 256):
+    return None
+  cta_n = 256 if rows <= 128 and n_shard // 256 >= _WHOLE_WIDE_TILES else 128
+  tile_m, tile_n, split = (128, cta_n, "m") if rows == 256 else (rows, cta_n // 2, "n")
+  tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=tile_n, wg_split=split, stages=2,
+                              epi_tile_n=min(64, tile_n))
+  itemsize = jnp.dtype(dtype).itemsize
+  while tiles.stages < _WHOLE_STAGES[cta_n] and dataclasses.replace(
+      tiles, stages=tiles.stages + 1).smem_bytes(itemsize) <= gemm_core.SMEM_BYTES:
+    tiles = dataclasses.replace(tiles, stages=tiles.stages + 1)
+  return tiles
+
+
 def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
                    num_sms: int) -> AllGatherMatmulConfig:
   """A config that fits the shape (the default one if none does).
 
+  Decode-size rows against a wide weight (D x M_shard in {64, 128, 256}
+  gathered rows, at least `_WHOLE_MIN_COLS` columns per device): `whole_rows`
+  tiles, pushed rows.
   Tiles: `gemm_core.choose_tiles` over the D steps.
   Send: at D >= 3 with at least 1024 rows per device, "ring"; else "push"
   for one wave (by up to 12 of the SMs without a tile if there are 8 or more
@@ -181,6 +231,11 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   "forward". The tiles run in strips of row chunks past two waves
   (benchmarks/NOTES.md has the measurements behind these rules).
   """
+  whole = whole_rows_tiles(axis_size * m_shard, n_shard, dtype) if axis_size > 1 else None
+  if whole is not None and n_shard >= _WHOLE_MIN_COLS:
+    config = AllGatherMatmulConfig(whole, "push", whole_rows=True)
+    if unsupported_reason(m_shard, k, n_shard, dtype, config, axis_size=axis_size) is None:
+      return config
   tiles = gemm_core.choose_tiles(m_shard, k, n_shard, dtype, steps=axis_size,
                                  num_sms=num_sms)
   if tiles is None:
@@ -206,8 +261,12 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   return AllGatherMatmulConfig(tiles, "forward")
 
 
-def experimental_reason(config: AllGatherMatmulConfig) -> str | None:
-  """Why `config` is experimental (not faster on GPUs where measured), or None."""
+def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) -> str | None:
+  """Why `config` is experimental over an axis of `axis_size` devices (not
+  faster on GPUs where measured, or not run on them), or None."""
+  if config.whole_rows and axis_size >= 3:
+    return ("config.whole_rows has passed the GPU tests at D = 2 only; at D >= 3 it is"
+            " tested on CPU (lowering) but not yet run on GPUs (benchmarks/NOTES.md, AG v21).")
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
@@ -215,8 +274,9 @@ def experimental_reason(config: AllGatherMatmulConfig) -> str | None:
 
 
 def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
-                       config: AllGatherMatmulConfig) -> str | None:
-  """None if the kernel can run this per-shard problem, else why not."""
+                       config: AllGatherMatmulConfig, *, axis_size: int = 1) -> str | None:
+  """None if the kernel can run this per-shard problem over an axis of
+  `axis_size` devices, else why not."""
   if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, AllGatherMatmulConfig):
@@ -225,6 +285,17 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"config.send must be one of {SENDS}, got {config.send!r}."
   if config.pushers is not None and config.pushers < 1:
     return f"config.pushers must be None or >= 1, got {config.pushers}."
+  if config.whole_rows:
+    rows = axis_size * m_shard
+    if config.send != "push" or config.strip_chunks is not None or config.stream:
+      return ("config.whole_rows needs send='push', no strip_chunks and no stream; got"
+              f" send={config.send!r}, strip_chunks={config.strip_chunks},"
+              f" stream={config.stream}.")
+    if config.tiles.cta_m != rows or rows > _WHOLE_MAX_ROWS:
+      return (f"config.whole_rows needs tiles spanning the D x M_shard = {axis_size} x {m_shard}"
+              f" = {rows} gathered rows (at most {_WHOLE_MAX_ROWS}); the tiles span"
+              f" {config.tiles.cta_m}.")
+    return config.tiles.unsupported_reason(rows, k, n_shard, jnp.dtype(dtype).itemsize)
   return (config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, m_shard, config.tiles.cta_m))
 
@@ -270,11 +341,19 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   m_shard, k = x.shape
   n = w.shape[0] if w_transposed else w.shape[1]
   tiles = config.tiles
-  m_chunks = m_shard // tiles.cta_m
+  whole = config.whole_rows
+  # A row chunk: rows of one device that are signalled as a unit, and the
+  # rows of a tile but with whole_rows (one chunk per device, all in a tile).
+  chunk_rows = m_shard if whole else tiles.cta_m
+  m_chunks = m_shard // chunk_rows
   n_tiles = n // tiles.cta_n
   tiles_per_step = m_chunks * n_tiles
+  steps = 1 if whole else d
   strip = config.strip_chunks or m_chunks
   remote = exchange and d > 1
+  # whole_rows tiles read every device's rows from the receive buffer, the
+  # own ones included.
+  own_copy = return_gathered or (whole and remote)
   # The sends carry the rows to the peers and, if asked, into the own copy of
   # the gathered x; with one device and no copy there is nothing to send.
   sends = remote or (exchange and return_gathered)
@@ -282,7 +361,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   forward_mode = sends and config.send in ("forward", "ring")
   push_mode = sends and config.send == "push"
   # Pushing, the grid spans every SM: blocks past the last tile only push.
-  grid = num_sms if push_mode else min(num_sms, d * tiles_per_step)
+  grid = num_sms if push_mode else min(num_sms, steps * tiles_per_step)
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype, sends_a=forward_mode,
                               transpose_b=w_transposed)
   pushers = grid if config.pushers is None else min(config.pushers, grid)
@@ -313,7 +392,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # tiles of its columns can: B streams from HBM once for both and is reused
   # from L2, instead of twice when the local tiles run ahead (2x H200, 128 x
   # 8192 x 7168 per shard: 64.0 µs against 66.5 racing ahead, AG v12).
-  paced = push_mode and remote and d * tiles_per_step <= num_sms
+  paced = push_mode and remote and not whole and d * tiles_per_step <= num_sms
   # Forward mode: chunk c is forwarded by the first F of its tiles in the tile
   # order, the j-th taking the K steps k = j mod F, so no tile stalls on all
   # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
@@ -345,10 +424,37 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     # them next, me - 1.
     receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
 
+    def wait_group(k_idx, sources, chunk):
+      """The memory warpgroup, before loading step k_idx: if it starts a
+      group, the group of `chunk` is here from every device of `sources`."""
+      for group, (start, end) in enumerate(itertools.pairwise(group_bounds)):
+        @pl.when(k_idx == start)
+        @jax.named_scope("wait_group")
+        def _():
+          for src in sources:
+            pl.semaphore_wait(arrived.at[src, chunk, group], (end - start) // unit,
+                              decrement=False)
+
+    def whole_tile(scratch, n_idx, order):
+      """whole_rows: the tile of every gathered row and column tile n_idx."""
+      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+      b_cols = w_ref.at[cols] if w_transposed else w_ref.at[:, cols]
+      out_tile = out_ref.at[:, cols]
+      if not remote:  # one device's rows, or the pre-gathered ones
+        with jax.named_scope("tile"):
+          core(scratch, x_ref if exchange else gathered_ref, b_cols, out_tile, **order)
+        return
+      with jax.named_scope("remote_tile"):
+        core(scratch, gathered_ref, b_cols, out_tile,
+             before_load=lambda k_idx: wait_group(k_idx, range(d), 0), **order)
+
     def tile(scratch, info):
       lin = info.index[0]
       order = dict(first=info.local_index == 0,
                    last=info.local_index == info.num_local_steps - 1)
+      if whole:
+        whole_tile(scratch, lin, order)
+        return
       step, t = lin // tiles_per_step, lin % tiles_per_step
       chunk, n_idx, visit = gemm_core.strip_position(t, m_chunks, n_tiles, strip)
       src = lax.rem(me + step, d)
@@ -438,23 +544,14 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       if not remote:  # one device: every tile is local
         return
 
-      def wait_group(k_idx):
-        """The memory warpgroup, before loading step k_idx: if it starts a
-        group, the group is here."""
-        for group, (start, end) in enumerate(itertools.pairwise(group_bounds)):
-          @pl.when(k_idx == start)
-          @jax.named_scope("wait_group")
-          def _():
-            pl.semaphore_wait(arrived.at[src, chunk, group], (end - start) // unit,
-                              decrement=False)
-
       @pl.when(step > 0)
       def _remote():
         passing = dict(send_a=send_a, after_k=signal_chunk) if ring else {}
         if push_mode or stream:
           with jax.named_scope("remote_tile"):
             core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile,
-                 before_load=wait_group, **passing, **order)
+                 before_load=lambda k_idx: wait_group(k_idx, [src], chunk), **passing,
+                 **order)
           return
         with jax.named_scope("wait_chunk"):
           pl.semaphore_wait(arrived.at[src, chunk, 0], forwarders, decrement=False)
@@ -474,7 +571,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       def piece(j):
         p = rank + j * pushers
         chunk, kp = p % m_chunks, p // m_chunks
-        return chunk, kp, pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(kp * push_cols, push_cols)
+        return chunk, kp, pl.ds(chunk * chunk_rows, chunk_rows), pl.ds(kp * push_cols, push_cols)
 
       def load(j):
         _, _, rows, cols = piece(j)
@@ -491,11 +588,11 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           chunk, kp, rows, cols = piece(j)
           slot = lax.rem(j, 2)
           plgpu.barrier_wait(loaded.at[slot])
-          dst = pl.ds(me * m_shard + rows.start, tiles.cta_m)
+          dst = pl.ds(me * m_shard + rows.start, chunk_rows)
           for peer in peers:
             plgpu.copy_smem_to_gmem(stages.at[slot],
                                     plgpu.remote_ref(gathered_ref, peer).at[dst, cols])
-          if return_gathered:
+          if own_copy:
             plgpu.copy_smem_to_gmem(stages.at[slot], gathered_ref.at[dst, cols])
           # The other stage's last stores (piece j - 1's) landed at the end of
           # the previous step: load piece j + 1 there while piece j lands.
@@ -504,16 +601,18 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           group = sum((kp >= start).astype(jnp.int32) for start in group_starts[1:-1])
           for peer in peers:
             signals.signal(plgpu.remote_ref(arrived.at[me, chunk, group], peer), "sys")
+          if whole:  # this device's tiles read its own rows from the receive buffer too
+            signals.signal(arrived.at[me, chunk, group], "gpu")
 
     if push_mode:
-      pl.run_scoped(push, plgpu.SMEM((2, tiles.cta_m, push_cols), x.dtype),
+      pl.run_scoped(push, plgpu.SMEM((2, chunk_rows, push_cols), x.dtype),
                     plgpu.Barrier(num_arrivals=1, num_barriers=2),
                     collective_axes=gemm_core.WG_AXIS)
 
     @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
                        **core.scratch(x_ref, w_ref))
     def _(**scratch):
-      @plgpu.nd_loop((d * tiles_per_step,), collective_axes="sm")
+      @plgpu.nd_loop((steps * tiles_per_step,), collective_axes="sm")
       def _(info):
         tile(scratch, info)
     gemm_core.final_wait()

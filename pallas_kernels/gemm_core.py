@@ -82,6 +82,12 @@ class GemmTiles:
     if self.tile_m % 64 or self.tile_n % 8 or self.tile_k * itemsize % 128:
       return (f"tiles (tile_m={self.tile_m}, tile_n={self.tile_n}, tile_k={self.tile_k})"
               " need tile_m % 64 == 0, tile_n % 8 == 0 and 128-byte K rows.")
+    if self.wg_split == "n" and self.tile_n % 64:
+      # Each warpgroup's half of the B tile is a column slice of the swizzled
+      # [tile_k, cta_n] tile, which must fall on its 64-column swizzle tiles
+      # (tile_n = 32 failed to lower on 2 H100s, AG v21).
+      return (f"wg_split='n' needs tile_n % 64 == 0 (each warpgroup's B columns start on a"
+              f" 64-column swizzle tile), got tile_n={self.tile_n}.")
     if self.epi_slots < 1:
       return f"epi_slots must be >= 1, got {self.epi_slots}."
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:

@@ -475,6 +475,67 @@ def test_two_calls_and_a_psum_back_to_back_in_one_jit(send):
     _check(b, _reference(x2_host, np.asarray(w2)), dtype, k, "second call (after psum)", m_shard)
 
 
+# --- whole_rows: decode-size rows, one read of w ------------------------------------
+
+
+def _whole_config(m_shard: int, n_shard: int, d: int) -> kernel.AllGatherMatmulConfig:
+  """whole_rows tiles over the D x M_shard gathered rows (64, 128 or 256)."""
+  tiles = kernel.whole_rows_tiles(d * m_shard, n_shard, BF16)
+  if tiles is None:
+    pytest.skip(f"no whole_rows tiles for {d} x {m_shard} gathered rows")
+  return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
+
+
+# (M_shard, K, N_shard): 32 and 64 rows per device (64 / 128 gathered rows at
+# D = 2, 128 / 256 at D = 4); 64 column tiles of 128, 112 of 256 (at D = 2),
+# and a K of 3 pieces.
+WHOLE_SHAPES = [(32, 2048, 8192), (64, 4096, 28672), (32, 768, 1024)]
+
+
+@TIMEOUT
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_transposed"])
+@pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=_shape_id)
+def test_whole_rows_matches_float32_reference(shape, transposed):
+  """Tiles over every gathered row (w read once): every device's output and
+  gathered x, both w layouts, three calls on new data each, unblocked."""
+  mesh = _mesh_1d()
+  d = mesh.shape[AXIS]
+  m_shard, k, n_shard = shape
+  w_spec = P(AXIS, None) if transposed else P(None, AXIS)
+  op = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl="pallas",
+                         config=_whole_config(m_shard, n_shard, d), return_gathered=True,
+                         w_transposed=transposed)
+  f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(AXIS, None), w_spec),
+                            out_specs=(P(None, AXIS), P(AXIS, None))))
+  with jax.set_mesh(mesh):
+    inputs = [_global_operands(mesh, shape, BF16, "whole", shape, transposed, i)
+              for i in range(3)]
+    flip = jax.jit(lambda w: w.T, out_shardings=jax.NamedSharding(mesh, w_spec))
+    results = [f(ops.x, flip(ops.w) if transposed else ops.w) for ops in inputs]
+    for i, (ops, (out, gathered)) in enumerate(zip(inputs, results)):
+      _check_gathered(gathered, ops.x_host, f"call {i}: gathered x")
+      _check(out, _reference(ops.x_host, ops.w_host), BF16, k, f"call {i}: whole_rows out",
+             m_shard)
+
+
+@TIMEOUT
+def test_whole_rows_scan_over_50_layers():
+  """50 layers under lax.scan with whole_rows tiles, each layer's x from the
+  previous one's: all outputs checked."""
+  mesh = _mesh_1d()
+  d = mesh.shape[AXIS]
+  (m_shard, k, n_shard), dtype = (32, 1024, 1024), BF16
+  key = _key("whole scan")
+  with jax.set_mesh(mesh):
+    x = jax.reshard(_normal(jax.random.fold_in(key, 0), (d * m_shard, k), dtype, 1.0),
+                    P(AXIS, None))
+    ws = jax.reshard(_normal(jax.random.fold_in(key, 1), (LAYERS, k, d * n_shard), dtype,
+                             1.0 / math.sqrt(k)), P(None, None, AXIS))
+    ys = _scan_fn(mesh, "per_shard", _whole_config(m_shard, n_shard, d))(x, ws)
+    _check(ys, _layers_reference(np.asarray(x), np.asarray(ws)), dtype, k,
+           f"{LAYERS} scanned layers (whole_rows)")
+
+
 # --- impl="auto" ----------------------------------------------------------------
 
 

@@ -442,7 +442,8 @@ def test_default_config_is_supported(m, k, n, dtype):
   for axis_size in (1, 2, 4, 8):
     config = agm.default_config(m, k, n, dtype, axis_size=axis_size, num_sms=_NUM_SMS)
     assert isinstance(config, agm.AllGatherMatmulConfig)
-    assert agm.unsupported_reason(m, k, n, dtype, config) is None, (axis_size, config)
+    assert agm.unsupported_reason(m, k, n, dtype, config, axis_size=axis_size) is None, (
+        axis_size, config)
     assert config.tiles.smem_bytes(jnp.dtype(dtype).itemsize) <= gemm_core.SMEM_BYTES
     # The documented send heuristic: at D >= 3 from 1024 rows, ring; else one
     # wave of tiles pushes, from up to 12 of the tile-less SMs if there are
@@ -577,3 +578,123 @@ def test_transposed_w_lowers_for_cuda(d, shape, send):
   module = jax.export.export(f, platforms=["cuda"])(
       sds((d * m, k), jax.P("x")), sds((d * n, k), jax.P("x"))).mlir_module()
   assert f"{agm.KERNEL_NAME}_mosaic_gpu" in module
+
+
+# whole_rows: (D, M_shard, tiles, K, num_sms): every tile spans the D x M_shard
+# gathered rows; 64 rows (warpgroups side by side on 64-column halves), 128
+# (side by side, 128 rows each) and 256 (stacked); N = 256 gives 2 column
+# tiles of 128; num_sms 1 (one block runs both) and 3 (clamped to 2).
+WHOLE_CASES = [
+    (2, 32, 128, 1),
+    (2, 64, 192, 3),
+    (4, 64, 128, 3),
+    (1, 64, 192, 1),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("d,m_shard,k,num_sms", WHOLE_CASES,
+                         ids=lambda v: str(v))
+def test_whole_rows_tiles_match_float64_reference(d, m_shard, k, num_sms, interpreter):
+  """Tiles over the columns only, each [D * M_shard, cta_n] (one read of w):
+  the output of every gathered row, whatever the device index."""
+  tiles = dataclasses.replace(agm.whole_rows_tiles(d * m_shard, N, BF16), stages=2)
+  config = agm.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
+  assert agm.unsupported_reason(m_shard, k, N, BF16, config, axis_size=d) is None
+  gathered, w = _inputs(d, m_shard, k, BF16, "whole")
+  out, gathered_out = _run(interpreter(), gathered, w, d - 1, d, config, num_sms)
+  assert out.shape == (d * m_shard, N) and out.dtype == BF16
+  testkit.assert_matmul_close(out, gathered, w, BF16)
+  np.testing.assert_array_equal(np.asarray(gathered_out), gathered)
+
+
+@pytest.mark.parametrize("rows,n,want", [
+    (64, 14336, (64, 64, "n", 64, 128, 4)), (128, 8192, (128, 64, "n", 128, 128, 4)),
+    (128, 28672, (128, 128, "n", 128, 256, 3)), (64, 53248, (64, 128, "n", 64, 256, 3)),
+    (256, 28672, (128, 128, "m", 256, 128, 4)),
+    (32, 8192, None), (192, 8192, None), (512, 8192, None)])
+def test_whole_rows_tiles_span_the_gathered_rows(rows, n, want):
+  """128 x 256 CTA tiles where they still give >= 96 column tiles (one
+  wave of long streams measured faster than 1.7 waves of shorter ones),
+  else 128 columns; stacked warpgroups at 256 rows."""
+  tiles = agm.whole_rows_tiles(rows, n, BF16)
+  if want is None:
+    assert tiles is None
+    return
+  assert (tiles.tile_m, tiles.tile_n, tiles.wg_split, tiles.cta_m, tiles.cta_n,
+          tiles.stages) == want
+  assert tiles.smem_bytes(2) <= gemm_core.SMEM_BYTES
+
+
+def test_whole_rows_needs_push_and_tiles_over_every_gathered_row():
+  tiles = agm.whole_rows_tiles(128, 8192, BF16)
+  config = agm.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
+  assert agm.unsupported_reason(64, 1024, 8192, BF16, config, axis_size=2) is None
+  wrong_rows = agm.unsupported_reason(64, 1024, 8192, BF16, config, axis_size=4)
+  assert "4 x 64 = 256 gathered rows" in wrong_rows and "span 128" in wrong_rows
+  forward = dataclasses.replace(config, send="forward")
+  assert "needs send='push'" in agm.unsupported_reason(64, 1024, 8192, BF16, forward,
+                                                       axis_size=2)
+  too_many = agm.AllGatherMatmulConfig(gemm_core.GemmTiles(tile_m=256, tile_n=64, stages=2),
+                                       "push", whole_rows=True)
+  assert "at most 256" in agm.unsupported_reason(256, 1024, 8192, BF16, too_many, axis_size=2)
+
+
+@pytest.mark.parametrize("d,m,n,whole", [
+    (2, 64, 14336, True), (2, 32, 8192, True), (4, 64, 28672, True), (8, 16, 8192, True),
+    (2, 64, 7168, False),   # narrow: too few column tiles to stream w at the HBM rate
+    (1, 64, 14336, False),  # one device: nothing to gather
+    (2, 256, 14336, False),  # 512 gathered rows: per-step tiles
+    (2, 16, 14336, False),  # 32 gathered rows: no tile that small
+])
+def test_default_config_takes_whole_rows_for_decode_size_rows_and_wide_w(d, m, n, whole):
+  config = agm.default_config(m, 8192, n, BF16, axis_size=d, num_sms=_NUM_SMS)
+  assert config.whole_rows == whole, config
+  if m >= 64 or whole:  # no tiles for 16 rows per device but whole rows
+    assert agm.unsupported_reason(m, 8192, n, BF16, config, axis_size=d) is None
+  if whole:
+    assert config.send == "push" and config.tiles.cta_m == d * m
+
+
+@pytest.mark.parametrize("return_gathered", [True, False], ids=["gathered", "out_only"])
+@pytest.mark.parametrize("d,m,transposed", [(2, 64, False), (4, 64, False), (2, 32, True)])
+def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, return_gathered):
+  """The whole-rows exchange (pushed rows, the own ones announced locally,
+  waits on every device's group) lowers for CUDA."""
+  k, n = 2048, 8192
+  mesh = jax.make_mesh((d,), ("x",))
+  config = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
+  assert config.whole_rows
+
+  def body(x, w):
+    out, gathered = agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132,
+                                          return_gathered=return_gathered,
+                                          w_transposed=transposed)
+    return (out, gathered) if return_gathered else out
+
+  w_spec = jax.P("x") if transposed else jax.P(None, "x")
+  specs = (jax.P(None, "x"), jax.P(None, "x")) if return_gathered else jax.P(None, "x")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), w_spec), out_specs=specs))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  w_shape = (d * n, k) if transposed else (k, d * n)
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((d * m, k), jax.P("x")), sds(w_shape, w_spec)).mlir_module()
+  assert "red.release.sys" in module and "red.release.gpu" in module
+  assert "wait_group" in module and "push" in module
+
+
+def test_whole_rows_is_experimental_past_two_devices():
+  config = agm.default_config(64, 4096, 28672, BF16, axis_size=4, num_sms=_NUM_SMS)
+  assert config.whole_rows
+  assert "D = 2 only" in agm.experimental_reason(config, axis_size=4)
+  assert agm.experimental_reason(config, axis_size=2) is None
+
+
+def test_warpgroups_side_by_side_need_whole_swizzle_tiles_of_b():
+  """Each warpgroup's columns of B start on a 64-column swizzle tile: 32
+  columns each fail to lower (seen on GPUs), so the config is refused."""
+  tiles = gemm_core.GemmTiles(tile_m=64, tile_n=32, wg_split="n", epi_tile_n=32)
+  reason = tiles.unsupported_reason(64, 1024, 1024, 2)
+  assert "tile_n % 64 == 0" in reason and "tile_n=32" in reason
+  assert dataclasses.replace(tiles, wg_split="m").unsupported_reason(128, 1024, 1024, 2) is None

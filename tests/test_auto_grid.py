@@ -31,7 +31,8 @@ def test_every_grid_point_is_a_problem_the_kernels_tile():
         m, k, n = auto_grid.per_shard_shape("all_gather_matmul", "gate_up", model, rows, d)
         if rows >= 64:
           config = agk.default_config(m, k, n, jnp.bfloat16, axis_size=d, num_sms=132)
-          assert agk.unsupported_reason(m, k, n, jnp.bfloat16, config) is None, (model, rows, d)
+          assert agk.unsupported_reason(m, k, n, jnp.bfloat16, config, axis_size=d) is None, (
+              model, rows, d)
         for proj in ("o", "down"):
           m, k, n = auto_grid.per_shard_shape("matmul_reduce_scatter", proj, model, rows, d)
           config = rsk.default_config(m // d, k, n, jnp.bfloat16, axis_size=d, num_sms=132)

@@ -108,7 +108,9 @@ def test_tuner_candidates_are_valid_distinct_and_start_with_the_heuristic(m, k, 
   assert len(set(found)) == len(found) > 1
   assert {c.send for c in found} == {"forward", "push"}
   for config in found:
-    assert ag_kernel.unsupported_reason(m, k, n, BF16, config) is None, config
+    assert ag_kernel.unsupported_reason(m, k, n, BF16, config, axis_size=2) is None, config
+  # whole_rows candidates (every gathered row in a tile) where 2 x M_shard <= 256.
+  assert any(c.whole_rows for c in found) == (2 * m <= 256), m
 
 
 class _Kernel:
