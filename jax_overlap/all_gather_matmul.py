@@ -67,7 +67,9 @@ def _key(p: Problem) -> str:
 
 # Decode-size rows, reported 2026-11-26 (issue 30, H100, Llama-family
 # projections): against wide weights (>= 8K columns per device) about 2x the
-# time of XLA's BSP path at D = 2 and 4; against narrow ones (~2.5K columns)
+# time of XLA's BSP path at D = 2 and 4 (w read once per device's rows; since
+# the kernel's whole_rows tiles, AG v21, 0.93-1.06x of BSP at D = 2, level
+# within the spread of the runs, so BSP stays); against narrow ones (~2.5K columns)
 # 0.90x of BSP's speed at D = 4; at 128 x 8192 x 7168 per shard the kernel was
 # still 1.05x ahead at D = 4. The D = 2 auto grid (session 27, H100, 8B / 70B /
 # 405B-like, results/h100x2_auto_grid.json) agrees at 64 rows: 0.53-0.83x
@@ -93,7 +95,7 @@ def _small_m_rule(p: Problem) -> str | None:
   if p.m_shard > _AUTO_BSP_MAX_ROWS:
     return None
   if p.n_shard >= _AUTO_BSP_MIN_COLS:
-    return (f"measured about 2x slower than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
+    return (f"measured no faster than BSP with <= {_AUTO_BSP_MAX_ROWS} rows and"
             f" >= {_AUTO_BSP_MIN_COLS} columns per device ({p.m_shard} x {p.n_shard} here);"
             " impl='pallas' runs it.")
   if p.n_shard <= _AUTO_BSP_MAX_NARROW_COLS:

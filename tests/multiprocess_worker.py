@@ -24,9 +24,11 @@ Scenarios:
   gpu_tp_inside_auto: the same with impl="auto" only (no timings).
   gpu_tp_across: P processes x 1 GPU, "tp" across them: with an NCCL that
     lacks peer pointers the support check refuses the kernels and
-    impl="pallas" raises, else impl="pallas" runs them (no loops); impl="auto"
-    takes XLA; results, repeated calls and a layer scan against
-    impl="xla_bsp".
+    impl="pallas" raises, else impl="pallas" runs them, also in a layer scan
+    whose collectives are all fused ops (a scan that mixes a kernel with
+    XLA's reduce-scatter fails in NCCL's window registration or hangs:
+    benchmarks/NOTES.md); impl="auto" takes XLA; results, repeated calls and
+    a layer scan against impl="xla_bsp".
 """
 
 import dataclasses
@@ -489,6 +491,42 @@ def check_gpu_layer_scan(mesh, impl):
                          f"{LAYERS}-layer flash_decode scan, {impl}", ulps=2 * LAYERS)
 
 
+def check_gpu_kernel_layer_scan(mesh, impl):
+  """LAYERS transformer-like layers under lax.scan, every collective a fused
+  op: x + matmul_reduce_scatter(all_gather_matmul(rms(x), w1), w2), the
+  all-gather's operand an XLA fusion's output and the carry the residual sum
+  (the model's MLP sublayer). Against the same program with
+  impl="xla_bsp"."""
+  m, k, n = AG_SHAPE
+  tp = mesh.shape["tp"]
+  gen = rng("gpu kernel scan")
+  x = normal(gen, (mesh.shape["dp"] * tp * m, k))
+  w1 = normal(gen, (LAYERS, k, tp * n), k**-0.5)
+  w2 = normal(gen, (LAYERS, tp * n, k), (tp * n)**-0.5)
+
+  def rms(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+  def stack(impl, x, w1, w2):
+    def layer(x, ws):
+      h = jax_overlap.all_gather_matmul(rms(x), ws[0], axis_name="tp", impl=impl)
+      return x + jax_overlap.matmul_reduce_scatter(h, ws[1], axis_name="tp", impl=impl), None
+    return lax.scan(layer, x, (w1, w2))[0]
+
+  rows = P(("dp", "tp"), None)
+  with jax.set_mesh(mesh):
+    args = (put(mesh, x, rows), put(mesh, w1, P(None, None, "tp")),
+            put(mesh, w2, P(None, "tp", None)))
+    f = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
+        functools.partial(stack, impl), mesh=mesh,
+        in_specs=(rows, P(None, None, "tp"), P(None, "tp", None)), out_specs=rows))
+    for _ in range(2):  # twice: the second run must not see the first one's signals
+      assert_elementwise(gather(f(impl)(*args)), gather(f("xla_bsp")(*args)),
+                         f"{LAYERS}-layer all_gather_matmul + matmul_reduce_scatter scan, {impl}",
+                         ulps=4 * LAYERS)
+
+
 def time_ops(mesh, impl: str):
   """Prints `TIME <op> <impl> <µs>` per call, back to back (this process's
   view; no check)."""
@@ -528,7 +566,8 @@ def scenario_gpu_code_on_cpu():
   scenario_gpu_tp_inside(impl="auto")
   mesh = tp_across()
   for name, fn in (("all_gather_matmul", check_gpu_all_gather_matmul),
-                   ("flash_decode", check_gpu_flash_decode), ("layer_scan", check_gpu_layer_scan)):
+                   ("flash_decode", check_gpu_flash_decode), ("layer_scan", check_gpu_layer_scan),
+                   ("kernel_layer_scan", check_gpu_kernel_layer_scan)):
     check(f"across_{name}_auto", fn, mesh, "auto")
 
 
@@ -592,6 +631,7 @@ def scenario_gpu_tp_across():
     check("all_gather_matmul_pallas", check_gpu_all_gather_matmul, mesh, "pallas")
     check("matmul_reduce_scatter_pallas", check_gpu_matmul_reduce_scatter, mesh, "pallas")
     check("flash_decode_pallas", check_gpu_flash_decode, mesh, "pallas")
+    check("kernel_layer_scan_pallas", check_gpu_kernel_layer_scan, mesh, "pallas")
   else:
     check("across_refused", check_gpu_across_refused, mesh)
   check("all_gather_matmul_auto", check_gpu_all_gather_matmul, mesh, "auto")

@@ -278,11 +278,13 @@ def test_gpu_tp_across_processes():
   """One process per GPU (every GPU present, >= 2), "tp" across them: with
   an NCCL that lacks peer pointers the kernels refused with the reason (auto
   -> xla_bsp, pallas raises), else impl="pallas" equal to impl="xla_bsp"
-  (calls outside loops); impl="auto"'s results, repeated calls and a layer
-  scan equal to impl="xla_bsp"."""
+  (single calls, and a layer scan whose collectives are all fused ops);
+  impl="auto"'s results, repeated calls and a layer scan equal to
+  impl="xla_bsp"."""
   _gpus(2)
   job = _gpu_job("gpu_tp_across", len(jax.devices()), 1)
-  kernels = ("all_gather_matmul_pallas", "matmul_reduce_scatter_pallas", "flash_decode_pallas")
+  kernels = ("all_gather_matmul_pallas", "matmul_reduce_scatter_pallas", "flash_decode_pallas",
+             "kernel_layer_scan_pallas")
   first = ("across_refused",) if "across_refused" in _checks(job)[0] else kernels
   for name in (*first, "all_gather_matmul_auto", "flash_decode_auto", "layer_scan_auto"):
     _assert_passed(job, name)
