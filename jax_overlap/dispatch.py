@@ -28,10 +28,10 @@ logger = logging.getLogger("jax_overlap")
 MULTI_PROCESS_REASON = (
     "in a multi-process job (jax.process_count() > 1) impl='auto' takes the XLA path: the"
     " kernels need NCCL >= 2.29.2 there (jaxlib 0.11.2 brings 2.28.9), and even with it"
-    " (2.32.3, 2 H100s, one process per GPU: correct outside loops) XLA registers their"
-    " buffers inside lax.scan / while loops at offsets NCCL refuses ('Window address must be"
+    " (2.32.3, 2 H100s, one process per GPU: correct in single calls and in loops of fused"
+    " ops) a loop that also holds an XLA collective fails or hangs ('Window address must be"
     " suitably aligned'; BUILD.md, multi-process jobs). impl='pallas' runs them where NCCL"
-    " allows, outside loops.")
+    " allows.")
 
 
 @dataclasses.dataclass(frozen=True)

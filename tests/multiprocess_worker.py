@@ -551,7 +551,14 @@ def scenario_gpu_tp_inside(impl: str = "pallas"):
     check(f"all_gather_matmul_{each}", check_gpu_all_gather_matmul, mesh, each)
     check(f"flash_decode_{each}", check_gpu_flash_decode, mesh, each)
   check(f"matmul_reduce_scatter_{impl}", check_gpu_matmul_reduce_scatter, mesh, impl)
-  check(f"layer_scan_{impl}", check_gpu_layer_scan, mesh, impl)
+  if impl == "pallas" and jax.process_count() > 1:
+    # A kernel fed by XLA's reduce-scatter in a loop fails in NCCL's window
+    # registration, or hangs, across processes (BUILD.md, multi-process jobs).
+    emit(f"CHECK layer_scan_{impl} SKIP kernels mixed with XLA collectives in a loop fail"
+         " across processes")
+  else:
+    check(f"layer_scan_{impl}", check_gpu_layer_scan, mesh, impl)
+  check(f"kernel_layer_scan_{impl}", check_gpu_kernel_layer_scan, mesh, impl)
   if impl == "pallas":
     # Not on CPU: there ~50 cross-process calls in flight deadlock gloo.
     time_ops(mesh, impl)
@@ -623,8 +630,8 @@ def check_gpu_across_refused(mesh):
 def scenario_gpu_tp_across():
   """N processes x 1 GPU, "tp" over all of them: impl="auto" (the XLA paths in
   a multi-process job) against impl="xla_bsp"; the kernels refused where NCCL
-  lacks peer pointers, else run (impl="pallas", outside loops) and checked
-  against impl="xla_bsp"."""
+  lacks peer pointers, else run (impl="pallas": single calls, and a layer
+  scan of fused ops) and checked against impl="xla_bsp"."""
   mesh = tp_across()
   assert mesh.shape["tp"] == jax.process_count() >= 2, dict(mesh.shape)
   if nccl_has_peer_pointers():

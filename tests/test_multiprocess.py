@@ -255,8 +255,10 @@ def test_gpu_kernels_tp_inside_processes():
   not asserted). Fails on the GPU machines of this project: with jaxlib
   0.11.2's NCCL 2.28.9, which lacks ncclGetPeerDevicePointer, the kernels
   are refused (sessions 25-26 saw XLA stop on the missing symbol: 'unhandled
-  system error'); with NCCL >= 2.29.2 they ran across processes outside
-  loops (session 28, 2 H100s), but the layer scan fails in NCCL's window
+  system error'); with NCCL >= 2.29.2 they ran across processes (2 H100s,
+  one process each: single calls, session 28, and a layer scan of fused ops
+  only, session 29), but a scan that mixes a kernel with XLA's reduce-scatter
+  (`layer_scan_pallas`, skipped in the multi-process job) fails in NCCL's window
   registration ('Window address must be suitably aligned'; BUILD.md), which
   is why `auto` keeps the kernels out of multi-process jobs."""
   _gpus(4)
@@ -266,7 +268,7 @@ def test_gpu_kernels_tp_inside_processes():
            for lines in (*job.outputs, baseline.outputs[0])]
   print("2 x 2 GPU timings, process 0 / process 1 / 1 x 2 baseline:", *times, sep="\n")
   for name in ("support", "all_gather_matmul_pallas", "flash_decode_pallas",
-               "matmul_reduce_scatter_pallas", "layer_scan_pallas"):
+               "matmul_reduce_scatter_pallas", "kernel_layer_scan_pallas"):
     _assert_passed(job, name)
   _assert_clean(job)
   _assert_clean(baseline)
