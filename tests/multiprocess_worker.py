@@ -444,49 +444,66 @@ def check_gpu_flash_decode(mesh, impl):
       assert_elementwise(gather(out), gather(xla(qi, *args[1:])), f"flash_decode {impl}, q * {c}")
 
 
+def _rms(x):
+  """x / rms(x) over the last axis, in float32, back in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def _check_mlp_scan(mesh, impl, layer, tag: str, what: str, ulps: float):
+  """LAYERS layers `x = layer(impl, x, (w1, w2))` under lax.scan inside one
+  shard_map (x [M, K] rows over ("dp", "tp"); w1 [K, tp N] columns and w2
+  [tp N, K] rows over "tp"), run twice (the second run must not see the
+  first one's signals) against the same program with impl="xla_bsp"."""
+  m, k, n = AG_SHAPE
+  tp = mesh.shape["tp"]
+  gen = rng(tag)
+  x = normal(gen, (mesh.shape["dp"] * tp * m, k))
+  w1 = normal(gen, (LAYERS, k, tp * n), k**-0.5)
+  w2 = normal(gen, (LAYERS, tp * n, k), (tp * n)**-0.5)
+
+  def stack(impl, x, w1, w2):
+    return lax.scan(lambda x, ws: (layer(impl, x, ws), None), x, (w1, w2))[0]
+
+  rows = P(("dp", "tp"), None)
+  with jax.set_mesh(mesh):
+    args = (put(mesh, x, rows), put(mesh, w1, P(None, None, "tp")),
+            put(mesh, w2, P(None, "tp", None)))
+    f = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
+        functools.partial(stack, impl), mesh=mesh,
+        in_specs=(rows, P(None, None, "tp"), P(None, "tp", None)), out_specs=rows))
+    for _ in range(2):
+      assert_elementwise(gather(f(impl)(*args)), gather(f("xla_bsp")(*args)), what, ulps=ulps)
+
+
 def check_gpu_layer_scan(mesh, impl):
   """LAYERS layers under lax.scan inside one shard_map: all_gather_matmul,
   a local matmul back to K columns, psum_scatter back to row shards; and a
   chain of flash_decode over per-layer caches (each output, rescaled, is the
   next query). Against the same program with impl="xla_bsp"."""
-  m, k, n = AG_SHAPE
-  tp = mesh.shape["tp"]
-  gen = rng("gpu scan")
-  x = normal(gen, (mesh.shape["dp"] * tp * m, k))
-  w1 = normal(gen, (LAYERS, k, tp * n), k**-0.5)
-  w2 = normal(gen, (LAYERS, tp * n, k), (tp * n)**-0.5)
-  q, kc, vc, lens = _decode_inputs(mesh, "gpu scan decode", LAYERS)
+  def mlp_layer(impl, x, ws):
+    h = jax_overlap.all_gather_matmul(x, ws[0], axis_name="tp", impl=impl)
+    y = jnp.dot(h, ws[1], preferred_element_type=jnp.float32)
+    return lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True).astype(x.dtype)
 
-  def mlp_stack(impl, x, w1, w2):
-    def layer(x, w):
-      h = jax_overlap.all_gather_matmul(x, w[0], axis_name="tp", impl=impl)
-      y = jnp.dot(h, w[1], preferred_element_type=jnp.float32)
-      return lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True).astype(x.dtype), None
-    return lax.scan(layer, x, (w1, w2))[0]
+  _check_mlp_scan(mesh, impl, mlp_layer, "gpu scan",
+                  f"{LAYERS}-layer all_gather_matmul scan, {impl}", 2 * LAYERS)
+  q, kc, vc, lens = _decode_inputs(mesh, "gpu scan decode", LAYERS)
 
   def decode_stack(impl, q, k, v, lens):
     def layer(q, kv):
       o = jax_overlap.flash_decode(q, kv[0], kv[1], axis_name="tp", kv_lens=lens, impl=impl)
-      o = o.astype(jnp.float32)
-      return (o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6)).astype(q.dtype), None
+      return _rms(o), None
     return lax.scan(layer, q, (k, v))[0]
 
-  rows = P(("dp", "tp"), None)
   kv = P(None, "dp", "tp", None, None)
   with jax.set_mesh(mesh):
-    mlp_args = (put(mesh, x, rows), put(mesh, w1, P(None, None, "tp")),
-                put(mesh, w2, P(None, "tp", None)))
     dec_args = (put(mesh, q, P("dp", None, None)), put(mesh, kc, kv), put(mesh, vc, kv),
                 put(mesh, lens, P("dp")))
-    mlp = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
-        functools.partial(mlp_stack, impl), mesh=mesh,
-        in_specs=(rows, P(None, None, "tp"), P(None, "tp", None)), out_specs=rows))
     dec = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
         functools.partial(decode_stack, impl), mesh=mesh,
         in_specs=(P("dp", None, None), kv, kv, P("dp")), out_specs=P("dp", None, None)))
     for _ in range(2):  # twice: the second run must not see the first one's signals
-      assert_elementwise(gather(mlp(impl)(*mlp_args)), gather(mlp("xla_bsp")(*mlp_args)),
-                         f"{LAYERS}-layer all_gather_matmul scan, {impl}", ulps=2 * LAYERS)
       assert_elementwise(gather(dec(impl)(*dec_args)), gather(dec("xla_bsp")(*dec_args)),
                          f"{LAYERS}-layer flash_decode scan, {impl}", ulps=2 * LAYERS)
 
@@ -497,34 +514,13 @@ def check_gpu_kernel_layer_scan(mesh, impl):
   all-gather's operand an XLA fusion's output and the carry the residual sum
   (the model's MLP sublayer). Against the same program with
   impl="xla_bsp"."""
-  m, k, n = AG_SHAPE
-  tp = mesh.shape["tp"]
-  gen = rng("gpu kernel scan")
-  x = normal(gen, (mesh.shape["dp"] * tp * m, k))
-  w1 = normal(gen, (LAYERS, k, tp * n), k**-0.5)
-  w2 = normal(gen, (LAYERS, tp * n, k), (tp * n)**-0.5)
+  def layer(impl, x, ws):
+    h = jax_overlap.all_gather_matmul(_rms(x), ws[0], axis_name="tp", impl=impl)
+    return x + jax_overlap.matmul_reduce_scatter(h, ws[1], axis_name="tp", impl=impl)
 
-  def rms(x):
-    x32 = x.astype(jnp.float32)
-    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
-
-  def stack(impl, x, w1, w2):
-    def layer(x, ws):
-      h = jax_overlap.all_gather_matmul(rms(x), ws[0], axis_name="tp", impl=impl)
-      return x + jax_overlap.matmul_reduce_scatter(h, ws[1], axis_name="tp", impl=impl), None
-    return lax.scan(layer, x, (w1, w2))[0]
-
-  rows = P(("dp", "tp"), None)
-  with jax.set_mesh(mesh):
-    args = (put(mesh, x, rows), put(mesh, w1, P(None, None, "tp")),
-            put(mesh, w2, P(None, "tp", None)))
-    f = lambda impl: jax.jit(jax.shard_map(  # pylint: disable=g-long-lambda
-        functools.partial(stack, impl), mesh=mesh,
-        in_specs=(rows, P(None, None, "tp"), P(None, "tp", None)), out_specs=rows))
-    for _ in range(2):  # twice: the second run must not see the first one's signals
-      assert_elementwise(gather(f(impl)(*args)), gather(f("xla_bsp")(*args)),
-                         f"{LAYERS}-layer all_gather_matmul + matmul_reduce_scatter scan, {impl}",
-                         ulps=4 * LAYERS)
+  _check_mlp_scan(mesh, impl, layer, "gpu kernel scan",
+                  f"{LAYERS}-layer all_gather_matmul + matmul_reduce_scatter scan, {impl}",
+                  4 * LAYERS)
 
 
 def time_ops(mesh, impl: str):
