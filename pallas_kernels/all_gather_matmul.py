@@ -167,9 +167,11 @@ class AllGatherMatmulConfig:
       Experimental: passes the GPU tests at D = 4, slower than without it
       (benchmarks/NOTES.md, AG v20).
     whole_rows: every tile spans the D x M_shard gathered rows (tiles.cta_m
-      must equal D * M_shard; one row chunk per device, strip_chunks None),
-      so w is read from HBM once, not once per device's rows: for
-      decode-size rows, where that read bounds the op. Needs send "push".
+      = D x M_pad with M_pad >= M_shard: each device's rows are padded with
+      zero rows to M_pad, and the padding rows left out of the results; one
+      row chunk per device, strip_chunks None), so w is read from HBM once,
+      not once per device's rows: for decode-size rows, where that read
+      bounds the op. Needs send "push".
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -195,7 +197,15 @@ class AllGatherMatmulConfig:
     return next((c for c in (256, 128, 64) if k % c == 0 and c % tile_k == 0), tile_k)
 
 
-def whole_rows_tiles(rows: int, n_shard: int, dtype) -> gemm_core.GemmTiles | None:
+def whole_rows_span(m_shard: int, axis_size: int) -> int | None:
+  """The gathered rows of a whole_rows tile for M_shard rows per device: the
+  fewest of 64, 128, 256 that hold D x M_shard and divide by D (each
+  device's rows padded to a D-th of them), else None."""
+  return next((r for r in (64, 128, 256) if r % axis_size == 0 and r >= axis_size * m_shard),
+              None)
+
+
+def whole_rows_tiles(rows: int | None, n_shard: int, dtype) -> gemm_core.GemmTiles | None:
   """Tiles for `whole_rows` over `rows` = D x M_shard gathered rows (64, 128
   or 256; else None) and N_shard columns: the warpgroups side by side up to
   128 rows (stacked at 256), 256 columns per CTA where that still gives
@@ -222,8 +232,8 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   """A config that fits the shape (the default one if none does).
 
   Decode-size rows against a wide weight (D x M_shard in {64, 128, 256}
-  gathered rows, at least `_WHOLE_MIN_COLS` columns per device): `whole_rows`
-  tiles, pushed rows.
+  gathered rows, each device's padded as `whole_rows_span` says, at least
+  `_WHOLE_MIN_COLS` columns per device): `whole_rows` tiles, pushed rows.
   Tiles: `gemm_core.choose_tiles` over the D steps.
   Send: at D >= 3 with at least 1024 rows per device, "ring"; else "push"
   for one wave (by up to 12 of the SMs without a tile if there are 8 or more
@@ -231,7 +241,8 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   "forward". The tiles run in strips of row chunks past two waves
   (benchmarks/NOTES.md has the measurements behind these rules).
   """
-  whole = whole_rows_tiles(axis_size * m_shard, n_shard, dtype) if axis_size > 1 else None
+  whole = (whole_rows_tiles(whole_rows_span(m_shard, axis_size), n_shard, dtype)
+           if axis_size > 1 else None)
   if whole is not None and n_shard >= _WHOLE_MIN_COLS:
     config = AllGatherMatmulConfig(whole, "push", whole_rows=True)
     if unsupported_reason(m_shard, k, n_shard, dtype, config, axis_size=axis_size) is None:
@@ -291,13 +302,32 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
       return ("config.whole_rows needs send='push', no strip_chunks and no stream; got"
               f" send={config.send!r}, strip_chunks={config.strip_chunks},"
               f" stream={config.stream}.")
-    if config.tiles.cta_m != rows or rows > _WHOLE_MAX_ROWS:
+    span = config.tiles.cta_m
+    if span % axis_size or span < rows or span > _WHOLE_MAX_ROWS:
       return (f"config.whole_rows needs tiles spanning the D x M_shard = {axis_size} x {m_shard}"
-              f" = {rows} gathered rows (at most {_WHOLE_MAX_ROWS}); the tiles span"
-              f" {config.tiles.cta_m}.")
-    return config.tiles.unsupported_reason(rows, k, n_shard, jnp.dtype(dtype).itemsize)
+              f" = {rows} gathered rows, or more (each device's rows padded), a multiple of D"
+              f" and at most {_WHOLE_MAX_ROWS}; the tiles span {span}.")
+    return config.tiles.unsupported_reason(span, k, n_shard, jnp.dtype(dtype).itemsize)
   return (config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, m_shard, config.tiles.cta_m))
+
+
+def _with_padded_rows(x, w, m_pad: int, *, pregathered, return_gathered: bool, **kwargs):
+  """`all_gather_matmul` with each device's rows padded with zeros to m_pad
+  (whole_rows tiles span D x m_pad rows), the padding rows dropped from the
+  results."""
+  m_shard, k = x.shape
+  pad = lambda a: jnp.pad(a, ((0, m_pad - m_shard), (0, 0)))
+  unpad = lambda a: a.reshape(-1, m_pad, a.shape[-1])[:, :m_shard].reshape(-1, a.shape[-1])
+  padded = None
+  if pregathered is not None:
+    rows = pregathered.gathered.reshape(pregathered.size, m_shard, k)
+    padded = dataclasses.replace(pregathered, gathered=jax.vmap(pad)(rows).reshape(-1, k))
+  out, gathered = all_gather_matmul(pad(x), w, pregathered=padded,
+                                    return_gathered=return_gathered, **kwargs)
+  if pregathered is not None:
+    return unpad(out), pregathered.gathered
+  return unpad(out), None if gathered is None else unpad(gathered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +371,11 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   m_shard, k = x.shape
   n = w.shape[0] if w_transposed else w.shape[1]
   tiles = config.tiles
+  if config.whole_rows and tiles.cta_m != d * m_shard:
+    return _with_padded_rows(x, w, tiles.cta_m // d, axis_name=axis_name, config=config,
+                             num_sms=num_sms, return_gathered=return_gathered,
+                             w_transposed=w_transposed, pregathered=pregathered,
+                             interpret=interpret)
   whole = config.whole_rows
   # A row chunk: rows of one device that are signalled as a unit, and the
   # rows of a tile but with whole_rows (one chunk per device, all in a tile).

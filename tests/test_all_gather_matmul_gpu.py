@@ -480,16 +480,18 @@ def test_two_calls_and_a_psum_back_to_back_in_one_jit(send):
 
 def _whole_config(m_shard: int, n_shard: int, d: int) -> kernel.AllGatherMatmulConfig:
   """whole_rows tiles over the D x M_shard gathered rows (64, 128 or 256)."""
-  tiles = kernel.whole_rows_tiles(d * m_shard, n_shard, BF16)
+  tiles = kernel.whole_rows_tiles(kernel.whole_rows_span(m_shard, d), n_shard, BF16)
   if tiles is None:
     pytest.skip(f"no whole_rows tiles for {d} x {m_shard} gathered rows")
   return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
 
 
 # (M_shard, K, N_shard): 32 and 64 rows per device (64 / 128 gathered rows at
-# D = 2, 128 / 256 at D = 4); 64 column tiles of 128, 112 of 256 (at D = 2),
-# and a K of 3 pieces.
-WHOLE_SHAPES = [(32, 2048, 8192), (64, 4096, 28672), (32, 768, 1024)]
+# D = 2, 128 / 256 at D = 4); 8 and 20, padded (to 32 at D = 2; to 16 and 32
+# at D = 4); 64 column tiles of 128, 112 of 256 (at D = 2), and a K of 3
+# pieces.
+WHOLE_SHAPES = [(32, 2048, 8192), (64, 4096, 28672), (32, 768, 1024), (8, 2048, 8192),
+                (20, 768, 1024)]
 
 
 @TIMEOUT

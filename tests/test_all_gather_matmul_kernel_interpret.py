@@ -580,15 +580,18 @@ def test_transposed_w_lowers_for_cuda(d, shape, send):
   assert f"{agm.KERNEL_NAME}_mosaic_gpu" in module
 
 
-# whole_rows: (D, M_shard, tiles, K, num_sms): every tile spans the D x M_shard
+# whole_rows: (D, M_shard, K, num_sms): every tile spans the D x M_shard
 # gathered rows; 64 rows (warpgroups side by side on 64-column halves), 128
-# (side by side, 128 rows each) and 256 (stacked); N = 256 gives 2 column
-# tiles of 128; num_sms 1 (one block runs both) and 3 (clamped to 2).
+# (side by side, 128 rows each) and 256 (stacked); 20 and 8 rows per device
+# padded to 32 and 16 (64 gathered rows); N = 256 gives 2 column tiles of
+# 128; num_sms 1 (one block runs both) and 3 (clamped to 2).
 WHOLE_CASES = [
     (2, 32, 128, 1),
     (2, 64, 192, 3),
     (4, 64, 128, 3),
     (1, 64, 192, 1),
+    (2, 20, 128, 3),
+    (4, 8, 192, 1),
 ]
 
 
@@ -596,9 +599,11 @@ WHOLE_CASES = [
 @pytest.mark.parametrize("d,m_shard,k,num_sms", WHOLE_CASES,
                          ids=lambda v: str(v))
 def test_whole_rows_tiles_match_float64_reference(d, m_shard, k, num_sms, interpreter):
-  """Tiles over the columns only, each [D * M_shard, cta_n] (one read of w):
-  the output of every gathered row, whatever the device index."""
-  tiles = dataclasses.replace(agm.whole_rows_tiles(d * m_shard, N, BF16), stages=2)
+  """Tiles over the columns only, each [D * M_pad, cta_n] (one read of w):
+  the output of every gathered row, whatever the device index; rows padded
+  to M_pad are left out of the results."""
+  span = agm.whole_rows_span(m_shard, d)
+  tiles = dataclasses.replace(agm.whole_rows_tiles(span, N, BF16), stages=2)
   config = agm.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
   assert agm.unsupported_reason(m_shard, k, N, BF16, config, axis_size=d) is None
   gathered, w = _inputs(d, m_shard, k, BF16, "whole")
@@ -632,6 +637,8 @@ def test_whole_rows_needs_push_and_tiles_over_every_gathered_row():
   assert agm.unsupported_reason(64, 1024, 8192, BF16, config, axis_size=2) is None
   wrong_rows = agm.unsupported_reason(64, 1024, 8192, BF16, config, axis_size=4)
   assert "4 x 64 = 256 gathered rows" in wrong_rows and "span 128" in wrong_rows
+  assert agm.unsupported_reason(40, 1024, 8192, BF16, config, axis_size=2) is None  # padded
+  assert "a multiple of D" in agm.unsupported_reason(20, 1024, 8192, BF16, config, axis_size=3)
   forward = dataclasses.replace(config, send="forward")
   assert "needs send='push'" in agm.unsupported_reason(64, 1024, 8192, BF16, forward,
                                                        axis_size=2)
@@ -640,24 +647,26 @@ def test_whole_rows_needs_push_and_tiles_over_every_gathered_row():
   assert "at most 256" in agm.unsupported_reason(256, 1024, 8192, BF16, too_many, axis_size=2)
 
 
-@pytest.mark.parametrize("d,m,n,whole", [
-    (2, 64, 14336, True), (2, 32, 8192, True), (4, 64, 28672, True), (8, 16, 8192, True),
-    (2, 64, 7168, False),   # narrow: too few column tiles to stream w at the HBM rate
-    (1, 64, 14336, False),  # one device: nothing to gather
-    (2, 256, 14336, False),  # 512 gathered rows: per-step tiles
-    (2, 16, 14336, False),  # 32 gathered rows: no tile that small
+@pytest.mark.parametrize("d,m,n,span", [
+    (2, 64, 14336, 128), (2, 32, 8192, 64), (4, 64, 28672, 256), (8, 16, 8192, 128),
+    (2, 16, 14336, 64), (4, 8, 28672, 64), (2, 100, 8192, 256),  # rows padded
+    (2, 64, 7168, None),    # narrow: too few column tiles to stream w at the HBM rate
+    (1, 64, 14336, None),   # one device: nothing to gather
+    (2, 256, 14336, None),  # 512 gathered rows: per-step tiles
+    (3, 16, 14336, None),   # no tile of 64, 128 or 256 rows splits into 3 devices' rows
 ])
-def test_default_config_takes_whole_rows_for_decode_size_rows_and_wide_w(d, m, n, whole):
+def test_default_config_takes_whole_rows_for_decode_size_rows_and_wide_w(d, m, n, span):
   config = agm.default_config(m, 8192, n, BF16, axis_size=d, num_sms=_NUM_SMS)
-  assert config.whole_rows == whole, config
-  if m >= 64 or whole:  # no tiles for 16 rows per device but whole rows
+  assert config.whole_rows == (span is not None), config
+  if m >= 64 or span:  # no tiles for 16 rows per device but whole rows
     assert agm.unsupported_reason(m, 8192, n, BF16, config, axis_size=d) is None
-  if whole:
-    assert config.send == "push" and config.tiles.cta_m == d * m
+  if span:
+    assert config.send == "push" and config.tiles.cta_m == span
 
 
 @pytest.mark.parametrize("return_gathered", [True, False], ids=["gathered", "out_only"])
-@pytest.mark.parametrize("d,m,transposed", [(2, 64, False), (4, 64, False), (2, 32, True)])
+@pytest.mark.parametrize("d,m,transposed", [(2, 64, False), (4, 64, False), (2, 32, True),
+                                           (4, 8, False)])
 def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, return_gathered):
   """The whole-rows exchange (pushed rows, the own ones announced locally,
   waits on every device's group) lowers for CUDA."""
