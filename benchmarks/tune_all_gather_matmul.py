@@ -62,11 +62,11 @@ def candidates(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
       if config not in found and ag_kernel.unsupported_reason(
           m_shard, k, n_shard, dtype, config, axis_size=axis_size) is None:
         found.append(config)
-  rows = axis_size * m_shard
-  if axis_size > 1 and ag_kernel.whole_rows_tiles(rows, n_shard, dtype) is not None:
+  span = gemm_core.whole_rows_span(m_shard, axis_size)
+  if axis_size > 1 and gemm_core.whole_rows_tiles(span, n_shard, dtype) is not None:
     # whole_rows: every gathered row in a tile, 128 or 256 columns, 3-6 stages.
     for (tile_m, split), tile_n, stages in itertools.product(
-        ((rows, "n"), (rows // 2, "m")), (64, 128), (3, 4, 5, 6)):
+        ((span, "n"), (span // 2, "m")), (64, 128), (3, 4, 5, 6)):
       tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=tile_n, stages=stages, wg_split=split,
                                   epi_tile_n=64)
       config = ag_kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True)

@@ -120,11 +120,6 @@ _SETTLE_STEPS = 4
 # HBM rate (benchmarks/NOTES.md, decode v14).
 _WHOLE_MAX_ROWS = 256
 _WHOLE_MIN_COLS = 8192
-# whole_rows tiles: 256 columns per CTA from this many column tiles (fewer,
-# and too few SMs stream w), and the ring's depth by CTA columns (4 stages
-# were 0.5-3% faster than 6 at 128 x 128, 3 the best at 128 x 256; AG v21).
-_WHOLE_WIDE_TILES = 96
-_WHOLE_STAGES = {128: 4, 256: 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,42 +192,12 @@ class AllGatherMatmulConfig:
     return next((c for c in (256, 128, 64) if k % c == 0 and c % tile_k == 0), tile_k)
 
 
-def whole_rows_span(m_shard: int, axis_size: int) -> int | None:
-  """The gathered rows of a whole_rows tile for M_shard rows per device: the
-  fewest of 64, 128, 256 that hold D x M_shard and divide by D (each
-  device's rows padded to a D-th of them), else None."""
-  return next((r for r in (64, 128, 256) if r % axis_size == 0 and r >= axis_size * m_shard),
-              None)
-
-
-def whole_rows_tiles(rows: int | None, n_shard: int, dtype) -> gemm_core.GemmTiles | None:
-  """Tiles for `whole_rows` over `rows` = D x M_shard gathered rows (64, 128
-  or 256; else None) and N_shard columns: the warpgroups side by side up to
-  128 rows (stacked at 256), 256 columns per CTA where that still gives
-  `_WHOLE_WIDE_TILES` column tiles, else 128; a ring of `_WHOLE_STAGES` by
-  CTA columns (at most what fits). Measured on 2 H100s (benchmarks/NOTES.md, AG v21): at
-  64 x 8192 x 28672 per shard 112 tiles of 128 x 256 took 182.6 µs against
-  184.7-188.7 for 224 of 128 x 128 with 4-6 stages; at 64 x 4096 x 14336, 112
-  tiles of 128 x 128 took 58.9 against 56 of 128 x 256 outside the best 8."""
-  if rows not in (64, 128, 256):
-    return None
-  cta_n = 256 if rows <= 128 and n_shard // 256 >= _WHOLE_WIDE_TILES else 128
-  tile_m, tile_n, split = (128, cta_n, "m") if rows == 256 else (rows, cta_n // 2, "n")
-  tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=tile_n, wg_split=split, stages=2,
-                              epi_tile_n=min(64, tile_n))
-  itemsize = jnp.dtype(dtype).itemsize
-  while tiles.stages < _WHOLE_STAGES[cta_n] and dataclasses.replace(
-      tiles, stages=tiles.stages + 1).smem_bytes(itemsize) <= gemm_core.SMEM_BYTES:
-    tiles = dataclasses.replace(tiles, stages=tiles.stages + 1)
-  return tiles
-
-
 def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
                    num_sms: int) -> AllGatherMatmulConfig:
   """A config that fits the shape (the default one if none does).
 
   Decode-size rows against a wide weight (D x M_shard in {64, 128, 256}
-  gathered rows, each device's padded as `whole_rows_span` says, at least
+  gathered rows, each device's padded as `gemm_core.whole_rows_span` says, at least
   `_WHOLE_MIN_COLS` columns per device): `whole_rows` tiles, pushed rows.
   Tiles: `gemm_core.choose_tiles` over the D steps.
   Send: at D >= 3 with at least 1024 rows per device, "ring"; else "push"
@@ -241,8 +206,8 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   "forward". The tiles run in strips of row chunks past two waves
   (benchmarks/NOTES.md has the measurements behind these rules).
   """
-  whole = (whole_rows_tiles(whole_rows_span(m_shard, axis_size), n_shard, dtype)
-           if axis_size > 1 else None)
+  span = gemm_core.whole_rows_span(m_shard, axis_size)
+  whole = gemm_core.whole_rows_tiles(span, n_shard, dtype) if axis_size > 1 else None
   if whole is not None and n_shard >= _WHOLE_MIN_COLS:
     config = AllGatherMatmulConfig(whole, "push", whole_rows=True)
     if unsupported_reason(m_shard, k, n_shard, dtype, config, axis_size=axis_size) is None:

@@ -137,6 +137,46 @@ def choose_tiles(rows: int, k: int, n: int, dtype, *, steps: int,
   return None if best is None else best[1]
 
 
+# Whole-rows tiles (decode-size rows: every device's rows in one tile, so the
+# weight streams from HBM once): 256 columns per CTA from this many column
+# tiles (with fewer, too few SMs stream the weight), and the ring's depth by
+# CTA columns (4 stages were 0.5-3% faster than 6 at 128 x 128, 3 the best at
+# 128 x 256; 2x H100, benchmarks/NOTES.md, AG v21).
+WHOLE_WIDE_TILES = 96
+WHOLE_STAGES = {128: 4, 256: 3}
+
+
+def whole_rows_span(rows_per_device: int, axis_size: int, max_span: int = 256) -> int | None:
+  """The rows of a whole-rows tile over `axis_size` devices' rows: the fewest
+  of 64, 128, 256 (up to `max_span`) that hold them all and divide by D
+  (each device's rows padded to a D-th of them), else None."""
+  return next((r for r in (64, 128, 256)
+               if r <= max_span and r % axis_size == 0 and r >= axis_size * rows_per_device),
+              None)
+
+
+def whole_rows_tiles(span: int | None, n: int, dtype) -> GemmTiles | None:
+  """Whole-rows tiles over `span` rows (64, 128 or 256; else None) and n
+  columns: the warpgroups side by side up to 128 rows (stacked at 256), 256
+  columns per CTA where that still gives `WHOLE_WIDE_TILES` column tiles,
+  else 128; a ring of `WHOLE_STAGES` by CTA columns (at most what fits).
+  Measured on 2 H100s (AG v21): at 64 x 8192 x 28672 per shard (all-gather
+  matmul, D = 2) 112 tiles of 128 x 256 took 182.6 µs against 184.7-188.7 for
+  224 of 128 x 128 with 4-6 stages; at 64 x 4096 x 14336, 112 tiles of 128 x
+  128 took 58.9 against 56 of 128 x 256 outside the best 8."""
+  if span not in (64, 128, 256):
+    return None
+  cta_n = 256 if span <= 128 and n // 256 >= WHOLE_WIDE_TILES else 128
+  tile_m, tile_n, split = (128, cta_n, "m") if span == 256 else (span, cta_n // 2, "n")
+  tiles = GemmTiles(tile_m=tile_m, tile_n=tile_n, wg_split=split, stages=2,
+                    epi_tile_n=min(64, tile_n))
+  itemsize = jnp.dtype(dtype).itemsize
+  while tiles.stages < WHOLE_STAGES[cta_n] and dataclasses.replace(
+      tiles, stages=tiles.stages + 1).smem_bytes(itemsize) <= SMEM_BYTES:
+    tiles = dataclasses.replace(tiles, stages=tiles.stages + 1)
+  return tiles
+
+
 def default_strip(m_chunks: int) -> int:
   """The most row chunks, up to STRIP_CHUNKS, that divide m_chunks."""
   return max(c for c in range(1, STRIP_CHUNKS + 1) if m_chunks % c == 0)
@@ -197,14 +237,32 @@ class TileStore:
   Attributes:
     ref: [cta_m, cta_n] GMEM ref: local, or a peer's through
       `plgpu.remote_ref` (whose device id the host must be able to recompute:
-      a function of axis indices and constants, not of loop indices).
+      a function of axis indices and constants, not of loop indices); with
+      `rows`, [rows[1], cta_n].
     when: traced bool: whether the tile goes here; None: always.
     reduction: None stores the tile; "add" adds it to what ref holds with TMA
       reduce-stores (rounded once per add, in ref's dtype).
+    rows: None (the whole tile), or (start, count): only the tile's rows
+      [start, start + count) go to ref, static multiples of 8; needs the
+      warpgroups side by side (wg_split "n").
   """
   ref: object
   when: object = None
   reduction: Literal["add"] | None = None
+  rows: tuple[int, int] | None = None
+
+  def granule_part(self, smem, wg_slice, rows: slice, cols: slice):
+    """(source, destination) of the granule staged in `smem`, at `rows`,
+    `cols` of the warpgroup's part `wg_slice` of the tile: the part of it
+    whose rows go here, or None if none do."""
+    if self.rows is None:
+      return smem, self.ref.at[wg_slice].at[rows, cols]
+    start, count = self.rows
+    lo, hi = max(rows.start, start), min(rows.stop, start + count)
+    if lo >= hi:
+      return None
+    return (smem.at[pl.ds(lo - rows.start, hi - lo)],
+            self.ref.at[:, wg_slice[1]].at[pl.ds(lo - start, hi - lo), cols])
 
 
 def _store_out(smem, store: TileStore, dst, *, commit_group: bool) -> None:
@@ -474,8 +532,10 @@ class TileMatmul:
     wg = lax.axis_index(WG_AXIS)
     rows, cols = self._granules()[g]
     for store in stores:
-      _store_out(scratch["out_smem"].at[wg, g], store,
-                 store.ref.at[self.warpgroup_part(wg)].at[rows, cols], commit_group=False)
+      part = store.granule_part(scratch["out_smem"].at[wg, g], self.warpgroup_part(wg), rows,
+                                cols)
+      if part is not None:
+        _store_out(part[0], store, part[1], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
 
   def _store_granules(self, result, stores, wg_slice, smem) -> None:
@@ -487,10 +547,10 @@ class TileMatmul:
       smem[slot] = result[rows, cols]
       plgpu.commit_smem()
       # Each granule is one bulk group, whichever stores ran.
-      single = len(stores) == 1 and stores[0].when is None
+      single = len(stores) == 1 and stores[0].when is None and stores[0].rows is None
       for store in stores:
-        _store_out(smem.at[slot], store, store.ref.at[wg_slice].at[rows, cols],
-                   commit_group=single)
+        if (part := store.granule_part(smem.at[slot], wg_slice, rows, cols)) is not None:
+          _store_out(part[0], store, part[1], commit_group=single)
       if not single:
         plgpu.commit_smem_to_gmem_group()
 

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 import jax_overlap
 from benchmarks import shapes
 from pallas_kernels import all_gather_matmul as kernel
+from pallas_kernels import gemm_core
 from pallas_kernels import platform
 
 # A kernel that loses a signal hangs in native code, which only the thread
@@ -480,7 +481,7 @@ def test_two_calls_and_a_psum_back_to_back_in_one_jit(send):
 
 def _whole_config(m_shard: int, n_shard: int, d: int) -> kernel.AllGatherMatmulConfig:
   """whole_rows tiles over the D x M_shard gathered rows (64, 128 or 256)."""
-  tiles = kernel.whole_rows_tiles(kernel.whole_rows_span(m_shard, d), n_shard, BF16)
+  tiles = gemm_core.whole_rows_tiles(gemm_core.whole_rows_span(m_shard, d), n_shard, BF16)
   if tiles is None:
     pytest.skip(f"no whole_rows tiles for {d} x {m_shard} gathered rows")
   return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True)

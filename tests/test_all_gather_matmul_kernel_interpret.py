@@ -602,8 +602,8 @@ def test_whole_rows_tiles_match_float64_reference(d, m_shard, k, num_sms, interp
   """Tiles over the columns only, each [D * M_pad, cta_n] (one read of w):
   the output of every gathered row, whatever the device index; rows padded
   to M_pad are left out of the results."""
-  span = agm.whole_rows_span(m_shard, d)
-  tiles = dataclasses.replace(agm.whole_rows_tiles(span, N, BF16), stages=2)
+  span = gemm_core.whole_rows_span(m_shard, d)
+  tiles = dataclasses.replace(gemm_core.whole_rows_tiles(span, N, BF16), stages=2)
   config = agm.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
   assert agm.unsupported_reason(m_shard, k, N, BF16, config, axis_size=d) is None
   gathered, w = _inputs(d, m_shard, k, BF16, "whole")
@@ -622,7 +622,7 @@ def test_whole_rows_tiles_span_the_gathered_rows(rows, n, want):
   """128 x 256 CTA tiles where they still give >= 96 column tiles (one
   wave of long streams measured faster than 1.7 waves of shorter ones),
   else 128 columns; stacked warpgroups at 256 rows."""
-  tiles = agm.whole_rows_tiles(rows, n, BF16)
+  tiles = gemm_core.whole_rows_tiles(rows, n, BF16)
   if want is None:
     assert tiles is None
     return
@@ -632,7 +632,7 @@ def test_whole_rows_tiles_span_the_gathered_rows(rows, n, want):
 
 
 def test_whole_rows_needs_push_and_tiles_over_every_gathered_row():
-  tiles = agm.whole_rows_tiles(128, 8192, BF16)
+  tiles = gemm_core.whole_rows_tiles(128, 8192, BF16)
   config = agm.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
   assert agm.unsupported_reason(64, 1024, 8192, BF16, config, axis_size=2) is None
   wrong_rows = agm.unsupported_reason(64, 1024, 8192, BF16, config, axis_size=4)
