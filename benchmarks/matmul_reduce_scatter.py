@@ -97,6 +97,17 @@ def _pallas_variant(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
                  _variant_config(shape, ctx.mesh, variant))
 
 
+def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context
+                       ) -> runner.Built:
+  """The experimental whole_rows design (decode-size rows), if it fits."""
+  cases.require_hopper("our kernel")
+  config = rs_kernel.whole_rows_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
+                                       axis_size=ctx.mesh.size, num_sms=platform.num_sms())
+  if config is None:
+    raise runner.Skip("whole_rows needs the D row blocks in 128 rows.")
+  return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w), config)
+
+
 def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
   """The exchange alone: each device's bf16 [M, N] partial, reduce-scattered."""
   partials = spmd.random_normal(jax.random.key(1), (mesh.size * shape.m, shape.n), DTYPE,
@@ -120,6 +131,8 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       *(runner.Case(f"pallas_{v}", "ours", functools.partial(_pallas_variant, shape, ctx, v),
                     opt_in=rs_kernel.experimental_variant(v))
         for v in rs_kernel.VARIANTS),
+      runner.Case("pallas_whole_rows", "ours", functools.partial(_pallas_whole_rows, shape, ctx),
+                  opt_in=True),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -146,8 +159,8 @@ OP = runner.OpSpec(
     comm_alone="reduce_scatter_alone",
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
-    contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "user_bsp",
-                "gemm_alone", "reduce_scatter_alone"),
+    contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
+                "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def _pallas_support(p: Problem) -> str | None:
     return ("the fused kernel adds the partial sums in x's dtype; reduce_in_float32=True"
             " needs an XLA path.")
   return platform.hopper_unavailable_reason() or p.process_reason or kernel.unsupported_reason(
-      p.m // p.axis_size, p.k_shard, p.n, p.dtype, _kernel_config(p))
+      p.m // p.axis_size, p.k_shard, p.n, p.dtype, _kernel_config(p), axis_size=p.axis_size)
 
 
 # The least rows per device at which "auto" takes the fused kernel, by axis
@@ -211,7 +211,10 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       exchange; the fused kernel does this). True: the partials are exchanged
       and summed in float32 and rounded once (XLA paths only).
     config: a `jax_overlap.MatmulReduceScatterConfig(tiles, strip_chunks)` for
-      impl "pallas"; None takes the kernel's heuristic.
+      impl "pallas"; None takes the kernel's heuristic. For decode-size rows,
+      `pallas_kernels.matmul_reduce_scatter.whole_rows_config(M // D, K_shard,
+      N, dtype, axis_size=D, num_sms=...)` reads w once for every owner's rows
+      and adds the partials in float32 (experimental: not yet run on GPUs).
     w_transposed: w's layout, see `w`.
 
   Returns:

@@ -121,16 +121,29 @@ class MatmulReduceScatterConfig:
       2 a tile later, awaiting only groups issued a whole tile earlier
       (experimental: the v6 profile put ~7 kcyc per tile in `signal`; level
       with 1 at D = 2).
+    whole_rows: decode-size rows (experimental, `whole_rows_config`): every
+      tile spans all D row blocks (tiles.cta_m = D x the padded rows per
+      device, at most 128, warpgroups side by side), so w streams from HBM
+      once instead of once per owner; each tile's K range is one of
+      `k_splits`, so that enough tiles stream w; every partial (each device's
+      row block of each K split) is reduce-added in float32 into its owner's
+      output, zeroed first.
+    k_splits: with whole_rows, the K ranges of each column strip.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
   add_all: bool = False
   drip: bool = False
   announce_lag: int = 1
+  whole_rows: bool = False
+  k_splits: int = 1
 
-  def padded_rows(self, rows: int) -> int:
+  def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
-    multiple of the CTA tile's rows (the padding rows are zeros)."""
+    multiple of the CTA tile's rows, or with whole_rows the tile's share
+    of D (the padding rows are zeros)."""
+    if self.whole_rows:
+      return self.tiles.cta_m // axis_size
     return -(-rows // self.tiles.cta_m) * self.tiles.cta_m
 
 
@@ -204,8 +217,27 @@ VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": wit
             "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2)}
 
 
+def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
+                      num_sms: int) -> MatmulReduceScatterConfig | None:
+  """A `whole_rows` config for `rows` per device (None if the D row blocks
+  do not fit a 128-row tile): `gemm_core.whole_rows_tiles`, and the fewest K
+  splits that give every SM a tile (each split a whole number of K steps).
+  Experimental: not yet run on GPUs."""
+  span = gemm_core.whole_rows_span(rows, axis_size, max_span=_WHOLE_MAX_ROWS)
+  tiles = gemm_core.whole_rows_tiles(span, n, dtype)
+  if tiles is None or n % tiles.cta_n or k_shard % tiles.tile_k:
+    return None
+  n_tiles, k_steps = n // tiles.cta_n, k_shard // tiles.tile_k
+  splits = next((s for s in range(-(-num_sms // n_tiles), k_steps + 1) if k_steps % s == 0),
+                k_steps)
+  return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
+
+
 def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
   """Why `config` is experimental (not yet measured faster on GPUs), or None."""
+  if config.whole_rows:
+    return ("config.whole_rows is experimental: tested on CPU (the interpreter, lowering), not"
+            " yet run on GPUs (benchmarks/NOTES.md, RS v9).")
   if config.announce_lag != 1:
     return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
@@ -220,6 +252,9 @@ def experimental_variant(name: str) -> bool:
 
 # Blocks that zero the output with add_all, at most.
 _ZEROERS = 16
+# whole_rows: the most rows a tile spans (D row blocks; the warpgroups side
+# by side, so that a granule's rows split between owners statically).
+_WHOLE_MAX_ROWS = 128
 
 
 def _zeroers(total: int, grid: int) -> int:
@@ -246,14 +281,41 @@ def _drip_steps(k_steps: int, granules: int) -> tuple[int, int]:
   return max(1, window // granules), window
 
 
+def _whole_rows_reason(rows: int, k_shard: int, n: int, itemsize: int,
+                       config: MatmulReduceScatterConfig, axis_size: int) -> str | None:
+  t = config.tiles
+  if axis_size < 2:
+    return "config.whole_rows needs an axis of 2 or more devices."
+  if config.add_all or config.drip or config.announce_lag != 1 or config.strip_chunks:
+    return ("config.whole_rows takes no add_all, drip, announce_lag or strip_chunks (it reduce-adds"
+            " every partial itself).")
+  share = t.cta_m // axis_size
+  if (t.wg_split != "n" or t.cta_m > _WHOLE_MAX_ROWS or t.cta_m % axis_size or share < rows
+      or share % 8):
+    return (f"config.whole_rows needs tiles spanning the D = {axis_size} row blocks of {rows}"
+            f" rows or more each (a multiple of 8), at most {_WHOLE_MAX_ROWS} rows with the"
+            f" warpgroups side by side; the tiles span {t.cta_m} (wg_split={t.wg_split!r}).")
+  if config.k_splits < 1 or k_shard % (config.k_splits * t.tile_k):
+    return (f"config.k_splits = {config.k_splits} must split K_shard = {k_shard} into whole K"
+            f" steps of {t.tile_k}.")
+  # The epilogue stages float32 granules: twice a 16-bit output's.
+  f32_epilogue = 2 * t.epi_slots * t.epi_tile_m * t.epi_tile_n * (4 - itemsize)
+  if t.smem_bytes(itemsize) + f32_epilogue > gemm_core.SMEM_BYTES:
+    return (f"the tiles with a float32 epilogue need {t.smem_bytes(itemsize) + f32_epilogue}"
+            f" bytes of shared memory, more than {gemm_core.SMEM_BYTES}.")
+  return t.unsupported_reason(t.cta_m, k_shard // config.k_splits, n, itemsize)
+
+
 def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
-                       config: MatmulReduceScatterConfig) -> str | None:
+                       config: MatmulReduceScatterConfig, *, axis_size: int = 1) -> str | None:
   """None if the kernel can run this per-shard problem (`rows` = M / D rows
-  per device), else why not."""
+  per device) over an axis of `axis_size` devices, else why not."""
   if jnp.dtype(dtype) not in tuple(map(jnp.dtype, DTYPES)):
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, MatmulReduceScatterConfig):
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
+  if config.whole_rows:
+    return _whole_rows_reason(rows, k_shard, n, jnp.dtype(dtype).itemsize, config, axis_size)
   t = config.tiles
   if config.announce_lag not in (1, 2) or (config.announce_lag == 2 and not config.drip):
     return f"config.announce_lag must be 1, or 2 with drip; got {config.announce_lag}."
@@ -306,8 +368,12 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   Returns:
     [M / D, N] in x's dtype, this device's rows of the sum over the axis; with
     `standalone`, [D, M / D, N]: the partial that device `index` computes at
-    each step s, x[rows of device (index + 1 + s) % D] @ w.
+    each step s, x[rows of device (index + 1 + s) % D] @ w (with whole_rows,
+    at owner j, x[rows of device j] @ w).
   """
+  if config.whole_rows:
+    return _whole_rows(x, w, axis_name=axis_name, config=config, num_sms=num_sms,
+                       w_transposed=w_transposed, standalone=standalone, interpret=interpret)
   exchange = standalone is None
   d = lax.axis_size(axis_name) if exchange else standalone.size
   m, k = x.shape
@@ -537,4 +603,137 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
                          num_sms=grid, interpret=interpret)(x, w)
   out = out[..., :rows, :]
+  return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))
+
+
+def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: int,
+                w_transposed: bool, standalone: Standalone | None, interpret):
+  """`matmul_reduce_scatter` with whole_rows tiles (experimental).
+
+  Work item i is column tile i % n_tiles over K split i // n_tiles, all D
+  row blocks at once. Its row block j goes to device j by a float32 TMA
+  reduce-add into j's output ([padded rows, N] float32), which the last
+  `_zeroers` blocks of j zeroed before announcing it (`ready`) to every
+  device; a block waits for every owner's announcement before its first
+  epilogue. Each compute warpgroup announces its half of an item to the
+  peers (`landed`) once its stores have landed, one item late as the other
+  designs do; one warpgroup of block 0 waits, last, for all the peers'
+  halves. Stand-alone: item i's row block j stored into [split, j] of a
+  local buffer, the splits summed afterwards.
+  """
+  exchange = standalone is None
+  d = lax.axis_size(axis_name) if exchange else standalone.size
+  if exchange and d < 2:
+    raise ValueError("config.whole_rows needs an axis of 2 or more devices.")
+  m, k = x.shape
+  n = w.shape[0] if w_transposed else w.shape[1]
+  rows = m // d
+  tiles, splits = config.tiles, config.k_splits
+  padded = config.padded_rows(rows, d)
+  x = _pad_blocks(x, d, rows, padded)
+  k_split = k // splits
+  n_tiles = n // tiles.cta_n
+  items = n_tiles * splits
+  core = gemm_core.TileMatmul(tiles, k_split, x.dtype, jnp.float32, transpose_b=w_transposed)
+  remote = exchange and d > 1
+  grid = min(num_sms, items)
+  zeroers = min(_ZEROERS, grid)
+  epi_n = tiles.epi_tile_n
+
+  def body(x_ref, w_ref, out_ref):
+    me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
+    wg = lax.axis_index(gemm_core.WG_AXIS)
+    sm = lax.axis_index("sm")
+    if remote:
+      ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,)))
+      landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
+
+    def stores(item):
+      """Where item `item`'s row blocks go."""
+      split, n_idx = item // n_tiles, item % n_tiles
+      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+      block = lambda j: (j * padded, padded)
+      if not exchange:
+        return [gemm_core.TileStore(out_ref.at[split, j].at[:, cols], rows=block(j))
+                for j in range(d)]
+      return [gemm_core.TileStore(ref.at[:, cols], when=mine, reduction="add", rows=block(j))
+              for j in range(d)
+              for ref, mine in ((out_ref, me == j),
+                                (plgpu.remote_ref(out_ref, {axis_name: j}), me != j))]
+
+    def announce():
+      """This warpgroup's half of its previous item has landed at the peers."""
+      with jax.named_scope("signal"):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        for o in range(1, d):
+          signals.signal(plgpu.remote_ref(landed.at[0], {axis_name: lax.rem(me + o, d)}), "sys")
+
+    def item_(scratch, info):
+      i = info.index[0]
+      split, n_idx = i // n_tiles, i % n_tiles
+      ks = pl.ds(split * k_split, k_split)
+      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
+      b_cols = w_ref.at[cols, ks] if w_transposed else w_ref.at[ks, cols]
+      order = dict(first=info.local_index == 0,
+                   last=info.local_index == info.num_local_steps - 1)
+
+      def after_k():
+        if not remote:
+          return
+        pl.when(info.local_index > 0)(announce)
+
+        @pl.when(info.local_index == 0)
+        @jax.named_scope("wait_ready")
+        def _():
+          for o in range(d):
+            pl.semaphore_wait(ready.at[o], 2 * zeroers, decrement=False)
+          signals.async_proxy_fence()
+
+      with jax.named_scope("tile"):
+        core(scratch, x_ref.at[:, ks], b_cols, stores(i), after_k=after_k, **order)
+
+    def zero_own_share(scratch):
+      """A zeroer block's compute warpgroup: its columns of this device's
+      output, then the announcement to every device."""
+      smem = scratch["out_smem"].at[wg, 0]
+      smem[...] = jnp.zeros(smem.shape, jnp.float32)
+      plgpu.commit_smem()
+      zeros = smem.at[pl.ds(0, padded)]
+
+      @pl.loop(2 * (sm - (grid - zeroers)) + wg, n // epi_n, step=2 * zeroers)
+      def _(c):
+        plgpu.copy_smem_to_gmem(zeros, out_ref.at[:, pl.ds(c * epi_n, epi_n)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      with jax.named_scope("ready"):
+        signals.signal(ready.at[me], "gpu")
+        for o in range(1, d):
+          signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
+
+    @jax.named_scope("tiles")
+    def run_tiles(**scratch):
+      if remote:
+        pl.when((wg < 2) & (sm >= grid - zeroers))(
+            jax.named_scope("zero")(lambda: zero_own_share(scratch)))
+
+      @plgpu.nd_loop((items,), collective_axes="sm")
+      def _(info):
+        item_(scratch, info)
+
+    pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
+    if remote:
+      pl.when(wg < 2)(announce)  # the block's last item (every block has one)
+
+      @pl.when((sm == 0) & (wg == 0))
+      @jax.named_scope("wait_peers")
+      def _():
+        pl.semaphore_wait(landed.at[0], 2 * (d - 1) * items, decrement=False)
+    gemm_core.final_wait()
+
+  shape = (padded, n) if exchange else (splits, d, padded, n)
+  out = gemm_core.launch(body, name=KERNEL_NAME,
+                         out_type=jax.ShapeDtypeStruct(shape, jnp.float32), num_sms=grid,
+                         interpret=interpret)(x, w)
+  if not exchange:
+    out = out.sum(axis=0)
+  out = out[..., :rows, :].astype(x.dtype)
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))

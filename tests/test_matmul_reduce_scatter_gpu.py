@@ -173,6 +173,42 @@ def test_each_design_over_poisoned_memory(variant, shape):
       _check(f(x, w), expected, BF16, f"{variant} call {i}", x.shape[1])
 
 
+# whole_rows (experimental): (M, K_shard, N), 16, 32 and 6 (padded) rows per
+# device at D = 2 (x2 at D = 4), K split so that every SM has an item.
+WHOLE_SHAPES = [(2 * 16, 4096, 8192), (2 * 32, 2048, 4096), (2 * 6, 1024, 2560)]
+
+
+@pytest.mark.experimental
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_transposed"])
+@pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_whole_rows_over_poisoned_memory(shape, transposed):
+  """Every owner's row block in one tile, K split, float32 reduce-adds into
+  the zeroed outputs (`kernel.whole_rows_config`): every device's rows, 3
+  calls with new data each after a NaN fill of the memory the next output
+  takes, both w layouts."""
+  mesh = _mesh()
+  d = mesh.shape[AXIS]
+  m, k_shard, n = shape
+  m = m // 2 * d
+  config = kernel.whole_rows_config(m // d, k_shard, n, BF16, axis_size=d,
+                                    num_sms=platform.num_sms())
+  assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config, axis_size=d) is None
+  w_spec = P(None, AXIS) if transposed else W_SPEC
+  op = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas",
+                         config=config, w_transposed=transposed)
+  f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(X_SPEC, w_spec), out_specs=OUT_SPEC))
+  poison = jax.jit(lambda: jnp.full((m, n), jnp.nan, BF16),
+                   out_shardings=jax.NamedSharding(mesh, P(AXIS, None)))
+  flip = jax.jit(lambda w: w.T, out_shardings=jax.NamedSharding(mesh, w_spec))
+  with jax.set_mesh(mesh):
+    for i in range(3):
+      x, w = _operands(mesh, m, k_shard, n, BF16, "whole", shape, transposed, i)
+      expected = _partials(mesh, x, w)
+      poison().block_until_ready()
+      _check(f(x, flip(w) if transposed else w), expected, BF16, f"whole_rows call {i}",
+             x.shape[1])
+
+
 def test_scan_over_50_layers():
   """50 kernel launches back to back in one program, each checked."""
   mesh = _mesh()

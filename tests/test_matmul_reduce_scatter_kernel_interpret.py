@@ -415,3 +415,103 @@ def test_only_the_announce_lag_variants_are_experimental():
   named; the measured ones stay in."""
   assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {"drip_lag2",
                                                                      "drip_add_all_lag2"}
+
+
+# --- whole_rows: every owner's row block in one tile, K split -------------------------
+
+# (D, index, rows per device, K_shard, k_splits, tile_n, num_sms): 2 and 4
+# devices; 64- and 128-row tiles (32 / 16 rows per device, and 20 and 6 padded
+# to them); 1-3 K splits; 1 or 2 column tiles (CTA 128 or 256 columns over
+# N = 256); num_sms 1 (one block does every item), uneven, and more than the
+# items.
+WHOLE_CASES = [
+    (2, 0, 32, 128, 1, 64, 1),
+    (2, 1, 20, 192, 3, 64, 4),
+    (4, 3, 16, 256, 2, 128, 132),
+    (4, 0, 6, 128, 2, 64, 3),
+]
+
+
+def _whole_config(d: int, rows: int, k: int, splits: int, tile_n: int):
+  span = gemm_core.whole_rows_span(rows, d, max_span=128)
+  return rs.MatmulReduceScatterConfig(
+      gemm_core.GemmTiles(tile_m=span, tile_n=tile_n, stages=2, wg_split="n"),
+      whole_rows=True, k_splits=splits)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("d,index,rows,k,splits,tile_n,num_sms", WHOLE_CASES,
+                         ids=lambda v: str(v))
+def test_whole_rows_partials_match_float64(d, index, rows, k, splits, tile_n, num_sms,
+                                           interpreter):
+  """Each item's K split of all D row blocks, each block into its owner's
+  slot (rows split between granules and owners, `TileStore.rows`), the
+  splits summed: every owner's partial against float64."""
+  config = _whole_config(d, rows, k, splits, tile_n)
+  assert rs.unsupported_reason(rows, k, N, BF16, config, axis_size=d) is None
+  rng = testkit.rng("rs whole", d, rows, k, splits)
+  x = rng.standard_normal((d * rows, k)).astype(BF16)
+  w = (rng.standard_normal((k, N)) / np.sqrt(k)).astype(BF16)
+  for w_arg, transposed in ((w, False), (w.T, True)):
+    out = rs.matmul_reduce_scatter(x, w_arg, config=config, num_sms=num_sms,
+                                   w_transposed=transposed, standalone=rs.Standalone(index, d),
+                                   interpret=interpreter())
+    assert out.shape == (d, rows, N) and out.dtype == BF16
+    for owner in range(d):
+      testkit.assert_matmul_close(out[owner], x[owner * rows:(owner + 1) * rows], w, BF16)
+
+
+@pytest.mark.parametrize("d,rows,k,n,splits", [
+    (2, 16, 14336, 8192, 4), (2, 32, 4096, 8192, 4), (4, 8, 7168, 8192, 4),
+    (4, 16, 26624 // 4, 16384, 2), (2, 64, 2048, 4096, 8), (8, 8, 4096, 8192, 4)])
+def test_whole_rows_config_gives_every_sm_an_item(d, rows, k, n, splits):
+  """The fewest K splits, each a whole number of K steps, that give the
+  column tiles x splits items at least one per SM (3 would not divide 224,
+  64 or 112 steps; 5-7 not 32)."""
+  config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+  assert config.whole_rows and config.k_splits == splits, config
+  assert (n // config.tiles.cta_n) * splits >= 132
+  assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
+  assert "not yet run on GPUs" in rs.experimental_reason(config)
+
+
+def test_whole_rows_config_needs_the_row_blocks_in_128_rows():
+  assert rs.whole_rows_config(128, 4096, 8192, BF16, axis_size=2, num_sms=132) is None
+  assert rs.whole_rows_config(40, 4096, 8192, BF16, axis_size=4, num_sms=132) is None
+
+
+@pytest.mark.parametrize("change,rows,d,words", [
+    (dict(add_all=True), 32, 2, "takes no add_all"),
+    (dict(k_splits=3), 32, 2, "must split K_shard = 4096"),
+    (dict(tiles=gemm_core.GemmTiles(tile_m=64, tile_n=64, wg_split="m")), 32, 2, "side by side"),
+    ({}, 40, 2, "row blocks of 40 rows or more"),
+    ({}, 32, 3, "D = 3 row blocks"),
+    ({}, 32, 1, "2 or more devices"),
+])
+def test_whole_rows_misconfigurations_are_rejected(change, rows, d, words):
+  config = dataclasses.replace(
+      rs.whole_rows_config(32, 4096, 8192, BF16, axis_size=2, num_sms=132), **change)
+  assert words in rs.unsupported_reason(rows, 4096, 8192, BF16, config, axis_size=d)
+
+
+@pytest.mark.parametrize("d,rows,transposed", [(2, 16, False), (4, 8, False), (2, 32, True)])
+def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed):
+  """The zeroing and `ready` announcements, the float32 reduce-adds of each
+  owner's rows into every device, the per-item announcements and the last
+  wait lower for CUDA, peers' TMA descriptors included."""
+  m, k, n = d * rows, 2048, 8192
+  config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+  mesh = jax.make_mesh((d,), ("x",))
+  body = lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132,
+                                               w_transposed=transposed)
+  w_spec = jax.P(None, "x") if transposed else jax.P("x")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), w_spec),
+                            out_specs=jax.P("x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  w_shape = (n, d * k) if transposed else (d * k, n)
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((m, d * k), jax.P(None, "x")), sds(w_shape, w_spec)).mlir_module()
+  for scope in ("zero", "ready", "wait_ready", "signal", "wait_peers"):
+    assert scope in module, scope
+  assert "red.release.sys" in module and "fence.proxy.async.global" in module
