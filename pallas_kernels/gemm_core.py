@@ -257,6 +257,8 @@ class TileStore:
     whose rows go here, or None if none do."""
     if self.rows is None:
       return smem, self.ref.at[wg_slice].at[rows, cols]
+    if wg_slice[0] != slice(None):
+      raise ValueError("TileStore.rows needs the warpgroups side by side (wg_split='n').")
     start, count = self.rows
     lo, hi = max(rows.start, start), min(rows.stop, start + count)
     if lo >= hi:

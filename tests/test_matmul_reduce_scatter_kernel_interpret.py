@@ -515,3 +515,13 @@ def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed):
   for scope in ("zero", "ready", "wait_ready", "signal", "wait_peers"):
     assert scope in module, scope
   assert "red.release.sys" in module and "fence.proxy.async.global" in module
+
+
+def test_a_tile_store_of_rows_needs_the_warpgroups_side_by_side():
+  """A row range of the tile is cut from each warpgroup's granules by static
+  row bounds, which hold only if every warpgroup has all the tile's rows."""
+  store = gemm_core.TileStore(ref=None, rows=(0, 16))
+  with pytest.raises(ValueError, match="side by side"):
+    store.granule_part(None, (pl.ds(64, 64), slice(None)), slice(0, 64), slice(0, 64))
+  assert store.granule_part(None, (slice(None), pl.ds(0, 64)), slice(64, 128),
+                            slice(0, 64)) is None  # rows 64-127 hold none of rows 0-15
