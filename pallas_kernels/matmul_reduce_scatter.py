@@ -338,6 +338,15 @@ class Standalone:
   size: int
 
 
+def _signal_devices(sem, me, d: int, axis_name, *, local: bool = True) -> None:
+  """Adds 1 to semaphore `sem` on every peer over the axis (release order at
+  system scope), and first on this device (at GPU scope) if `local`."""
+  if local:
+    signals.signal(sem, "gpu")
+  for o in range(1, d):
+    signals.signal(plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}), "sys")
+
+
 def _pad_blocks(x, d: int, rows: int, padded: int):
   """x [d * rows, K] -> [d * padded, K]: each device's row block padded with
   zero rows."""
@@ -568,9 +577,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
                            pl.ds(n_idx * tiles.cta_n, tiles.cta_n)])
       core.zero_fill(scratch, tiles_of_block)
       with jax.named_scope("ready"):
-        signals.signal(ready.at[me], "gpu")
-        for o in range(1, d):
-          signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
+        _signal_devices(ready.at[me], me, d, axis_name)
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):
@@ -665,8 +672,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       """This warpgroup's half of its previous item has landed at the peers."""
       with jax.named_scope("signal"):
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        for o in range(1, d):
-          signals.signal(plgpu.remote_ref(landed.at[0], {axis_name: lax.rem(me + o, d)}), "sys")
+        _signal_devices(landed.at[0], me, d, axis_name, local=False)
 
     def item_(scratch, info):
       i = info.index[0]
@@ -705,9 +711,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
         plgpu.copy_smem_to_gmem(zeros, out_ref.at[:, pl.ds(c * epi_n, epi_n)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       with jax.named_scope("ready"):
-        signals.signal(ready.at[me], "gpu")
-        for o in range(1, d):
-          signals.signal(plgpu.remote_ref(ready.at[me], {axis_name: lax.rem(me + o, d)}), "sys")
+        _signal_devices(ready.at[me], me, d, axis_name)
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):
