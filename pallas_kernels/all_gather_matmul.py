@@ -237,12 +237,16 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   return AllGatherMatmulConfig(tiles, "forward")
 
 
+# The axis sizes at which whole_rows has passed the GPU tests (D = 1 is a plain GEMM).
+_WHOLE_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
+
+
 def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   faster on GPUs where measured, or not run on them), or None."""
-  if config.whole_rows and axis_size >= 3:
-    return ("config.whole_rows has passed the GPU tests at D = 2 only; at D >= 3 it is"
-            " tested on CPU (lowering) but not yet run on GPUs (benchmarks/NOTES.md, AG v21).")
+  if config.whole_rows and axis_size not in _WHOLE_GPU_TESTED_AXIS_SIZES:
+    return (f"config.whole_rows has passed the GPU tests at D = 2 and 4; at D = {axis_size} it"
+            " is tested on CPU (lowering) but not yet run on GPUs (benchmarks/NOTES.md, AG v21).")
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")

@@ -133,16 +133,27 @@ class FlashDecodeConfig:
     return ring + ROWS * self.combine_cols * itemsize  # + the output tile
 
 
+# The fewest K/V steps (block_kv positions each) per split: see default_config.
+_MIN_SPLIT_STEPS = 8
+
+
 def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_dim: int,
                    dtype, *, num_sms: int) -> FlashDecodeConfig:
   """One wave of phase-1 items: the most splits (each a whole number of
-  steps) with B * Hkv * splits <= the SM count; the deepest K/V ring (<= 4)
-  that fits; combine columns halved (>= 16) until the merge spreads over at
-  least a quarter of the SMs."""
+  steps, at least `_MIN_SPLIT_STEPS` of them) with B * Hkv * splits <= the SM
+  count; the deepest K/V ring (<= 4) that fits; combine columns halved (>= 16)
+  until the merge spreads over at least a quarter of the SMs.
+
+  The floor on a split's steps: at 1 x 64 / 8 heads over 32768 positions on 4
+  H200s (8192 per device, 64 steps), 16 splits of 4 steps took 40.1 µs, 8 of
+  8 steps 31.1 and 4 of 16 steps 41.5 (benchmarks/NOTES.md, decode splits at
+  D = 4): with fewer steps the ring's fill and drain and the D x splits
+  partials to merge dominate; with fewer splits too few SMs stream K/V."""
   block_kv = 128 if s_shard % 128 == 0 else 64
   steps = max(1, s_shard // block_kv)
   items = batch * kv_heads
-  splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or items * d <= num_sms))
+  splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (
+      d == 1 or (items * d <= num_sms and steps // d >= _MIN_SPLIT_STEPS)))
   _, tiles = merge_tiles(batch, q_heads, kv_heads)
   cols = head_dim
   while cols > 16 and tiles * (head_dim // cols) < num_sms // 4:

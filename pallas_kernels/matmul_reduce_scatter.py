@@ -121,7 +121,7 @@ class MatmulReduceScatterConfig:
       2 a tile later, awaiting only groups issued a whole tile earlier
       (experimental: the v6 profile put ~7 kcyc per tile in `signal`; level
       with 1 at D = 2).
-    whole_rows: decode-size rows (experimental, `whole_rows_config`): every
+    whole_rows: decode-size rows (`whole_rows_config`): every
       tile spans all D row blocks (tiles.cta_m = D x the padded rows per
       device, at most 128, warpgroups side by side), so w streams from HBM
       once instead of once per owner; each tile's K range is one of
@@ -181,7 +181,19 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   104 against 119 (plain) at 1024 rows and 655 against 719 (staged) at 4096,
   where add_all cost 3-8%. In one wave (16-64 rows per device at D = 4)
   plain, drip and drip + add_all were within the rounds' spread (RS v7).
+
+  Decode-size rows (D x the padded rows per device <= 64) with K_shard >=
+  7168: `whole_rows_config`, w read once for every owner's rows. Side by
+  side on 4 and 2 H200s (RS v9): 1.2-2.3x faster than the row-block tiles
+  there (339 -> 148 µs at 16 x 13312 x 16384 per device, D = 4), slower at
+  128 gathered rows or K_shard <= 4096. XLA's BSP path was faster still at
+  every such shape, so `auto` takes BSP there; this serves impl="pallas".
   """
+  whole = whole_rows_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
+  if (whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
+      and k_shard >= _WHOLE_MIN_K_SHARD
+      and unsupported_reason(rows, k_shard, n, dtype, whole, axis_size=axis_size) is None):
+    return whole
   config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   padded = config.padded_rows(rows)
   if config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize) is not None:
@@ -222,7 +234,7 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   """A `whole_rows` config for `rows` per device (None if the D row blocks
   do not fit a 128-row tile): `gemm_core.whole_rows_tiles`, and the fewest K
   splits that give every SM a tile (each split a whole number of K steps).
-  Experimental: not yet run on GPUs."""
+  GPU-tested at D = 2 and 4 (`experimental_reason`)."""
   span = gemm_core.whole_rows_span(rows, axis_size, max_span=_WHOLE_MAX_ROWS)
   tiles = gemm_core.whole_rows_tiles(span, n, dtype)
   if tiles is None or n % tiles.cta_n or k_shard % tiles.tile_k:
@@ -233,11 +245,14 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
 
 
-def experimental_reason(config: MatmulReduceScatterConfig) -> str | None:
-  """Why `config` is experimental (not yet measured faster on GPUs), or None."""
-  if config.whole_rows:
-    return ("config.whole_rows is experimental: tested on CPU (the interpreter, lowering), not"
-            " yet run on GPUs (benchmarks/NOTES.md, RS v9).")
+def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 2
+                        ) -> str | None:
+  """Why `config` is experimental over an axis of `axis_size` devices (not
+  yet measured faster on GPUs, or not run on them), or None."""
+  if config.whole_rows and axis_size not in _WHOLE_GPU_TESTED_AXIS_SIZES:
+    return (f"config.whole_rows has passed the GPU tests at D = 2 and 4; at D = {axis_size} it"
+            " is tested on CPU (the interpreter, lowering) but not yet run on GPUs"
+            " (benchmarks/NOTES.md, RS v9).")
   if config.announce_lag != 1:
     return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
@@ -250,6 +265,13 @@ def experimental_variant(name: str) -> bool:
   return experimental_reason(VARIANTS[name](MatmulReduceScatterConfig())) is not None
 
 
+# The axis sizes at which whole_rows has passed the GPU tests.
+_WHOLE_GPU_TESTED_AXIS_SIZES = (2, 4)
+# default_config takes whole_rows for at most this many gathered rows (D x
+# the padded rows per device) with at least _WHOLE_MIN_K_SHARD: measured
+# faster than the row-block tiles there, slower at 128 rows or short K (RS v9).
+_WHOLE_DEFAULT_MAX_ROWS = 64
+_WHOLE_MIN_K_SHARD = 7168
 # Blocks that zero the output with add_all, at most.
 _ZEROERS = 16
 # whole_rows: the most rows a tile spans (D row blocks; the warpgroups side

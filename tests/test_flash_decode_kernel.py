@@ -163,15 +163,28 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total):
   assert "red.release.gpu" in module and "red.release.sys" in module
 
 
+@pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize("shape", shapes.FLASH_DECODE, ids=str)
-def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape):
-  s_shard = shape.s_total // 2
+def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape, d):
+  s_shard = shape.s_total // d
   config = fd.default_config(shape.b, shape.hkv, shape.hq, s_shard, shape.dh, BF16, num_sms=132)
   assert fd.unsupported_reason(shape.b, shape.hq, shape.hkv, shape.dh, s_shard, BF16,
                                config) is None
-  items = shape.b * shape.hkv * config.splits
-  assert items <= 132 or config.splits == 1
-  assert items > 66 or s_shard // config.block_kv == config.splits  # as many as the steps allow
+  groups, steps = shape.b * shape.hkv, s_shard // config.block_kv
+  assert groups * config.splits <= 132 or config.splits == 1
+  assert config.splits == 1 or steps // config.splits >= 8
+  # As many splits as the SMs and the steps allow: twice as many would not fit.
+  double = 2 * config.splits
+  assert steps % double or groups * double > 132 or steps // double < 8
+
+
+@pytest.mark.parametrize("d,splits", [(1, 16), (2, 16), (4, 8), (8, 4)])
+def test_default_config_keeps_8_steps_per_split(d, splits):
+  """1 x 64 / 8 heads over 32768 positions: 16 splits while each has 8+
+  steps of 128 positions, then fewer (D = 4: 8 splits of 8 steps were 1.29x
+  faster than 16 of 4 on H200s)."""
+  config = fd.default_config(1, 8, 64, 32768 // d, 128, BF16, num_sms=132)
+  assert config.splits == splits, config
 
 
 @pytest.mark.parametrize("args,match", [

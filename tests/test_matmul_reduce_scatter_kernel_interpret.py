@@ -472,7 +472,24 @@ def test_whole_rows_config_gives_every_sm_an_item(d, rows, k, n, splits):
   assert config.whole_rows and config.k_splits == splits, config
   assert (n // config.tiles.cta_n) * splits >= 132
   assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
-  assert "not yet run on GPUs" in rs.experimental_reason(config)
+  # GPU-tested at D = 2 and 4 only (session 30).
+  reason = rs.experimental_reason(config, axis_size=d)
+  assert (reason is None) == (d in (2, 4)), reason
+
+
+@pytest.mark.parametrize("d,rows,k,n,whole", [
+    (4, 16, 13312, 16384, True), (4, 16, 7168, 8192, True), (2, 16, 14336, 8192, True),
+    (2, 32, 14336, 8192, True), (2, 8, 7168, 4096, True),
+    (4, 32, 7168, 8192, False),  # 128 gathered rows
+    (4, 16, 2048, 8192, False), (2, 16, 4096, 8192, False),  # short K
+    (3, 16, 7168, 8192, False),  # D = 3: no whole_rows tiles
+    (2, 256, 7168, 8192, False)])
+def test_default_config_takes_whole_rows_at_decode_rows_and_long_k(d, rows, k, n, whole):
+  """RS v9, side by side on H200s: whole_rows was faster than the row-block
+  tiles with <= 64 gathered rows and K_shard >= 7168, slower otherwise."""
+  config = rs.default_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+  assert config.whole_rows == whole, config
+  assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
 
 
 def test_whole_rows_config_needs_the_row_blocks_in_128_rows():
