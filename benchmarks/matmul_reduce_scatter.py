@@ -99,7 +99,8 @@ def _pallas_variant(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
 
 def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context
                        ) -> runner.Built:
-  """The experimental whole_rows design (decode-size rows), if it fits."""
+  """The whole_rows design (decode-size rows) wherever it fits, whatever
+  `default_config` takes (opt-in: to compare the two designs)."""
   cases.require_hopper("our kernel")
   config = rs_kernel.whole_rows_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
                                        axis_size=ctx.mesh.size, num_sms=platform.num_sms())

@@ -404,6 +404,21 @@ def check_gpu_all_gather_matmul(mesh, impl):
                          f"all_gather_matmul {impl}, repeated call with x * {c}")
 
 
+def _placed_rs_inputs(mesh, key):
+  """x [dp x tp x M_shard, K] sharded (dp, tp) and w [K, N] sharded on K, of
+  AG_SHAPE's sizes: each device's output is [M_shard, N]."""
+  m, k, n = AG_SHAPE[0] * mesh.shape["tp"], AG_SHAPE[1], AG_SHAPE[2]
+  gen = rng(key)
+  x = normal(gen, (mesh.shape["dp"] * m, k))
+  w = normal(gen, (k, n), k**-0.5)
+  return put(mesh, x, P("dp", "tp")), put(mesh, w, P("tp", None))
+
+
+def _rs_fn(mesh, impl):
+  return jax.jit(functools.partial(jax_overlap.sharded_matmul_reduce_scatter, axis_name="tp",
+                                   batch_axes=("dp",), impl=impl, mesh=mesh))
+
+
 def check_gpu_matmul_reduce_scatter(mesh, impl):
   m, k, n = AG_SHAPE[0] * mesh.shape["tp"], AG_SHAPE[1], AG_SHAPE[2]
   tp = mesh.shape["tp"]
@@ -414,16 +429,10 @@ def check_gpu_matmul_reduce_scatter(mesh, impl):
           axis_size=tp, impl="pallas")
     except ValueError as e:
       raise Skip(f"impl='pallas' does not accept it here: {e}") from e
-  gen = rng("gpu mrs")
-  x = normal(gen, (mesh.shape["dp"] * m, k))
-  w = normal(gen, (k, n), k**-0.5)
   with jax.set_mesh(mesh):
-    xs, ws = put(mesh, x, P("dp", "tp")), put(mesh, w, P("tp", None))
-    f = lambda impl: jax.jit(functools.partial(  # pylint: disable=g-long-lambda
-        jax_overlap.sharded_matmul_reduce_scatter, axis_name="tp", batch_axes=("dp",),
-        impl=impl, mesh=mesh))
-    want = gather(f("xla_bsp")(xs, ws))
-    outs = [f(impl)(xs, ws) for _ in range(3)]
+    xs, ws = _placed_rs_inputs(mesh, "gpu mrs")
+    want = gather(_rs_fn(mesh, "xla_bsp")(xs, ws))
+    outs = [_rs_fn(mesh, impl)(xs, ws) for _ in range(3)]
     for i, out in enumerate(outs):
       assert_elementwise(gather(out), want, f"matmul_reduce_scatter {impl}, call {i}")
 
@@ -530,10 +539,15 @@ def time_ops(mesh, impl: str):
   q, k, v, lens = _decode_inputs(mesh, "gpu time")
   with jax.set_mesh(mesh):
     ag_args = _placed_ag(mesh, x, w)
+    rs_args = _placed_rs_inputs(mesh, "gpu time rs")
     dec_args = _placed_decode(mesh, q, k, v, lens)
     for impl in (impl, "xla_bsp"):  # pylint: disable=redefined-argument-from-local
       emit(f"TIME all_gather_matmul {impl} {back_to_back_us(_ag_fn(mesh, impl), *ag_args):.1f}"
            f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}")
+      emit(f"TIME matmul_reduce_scatter {impl}"
+           f" {back_to_back_us(_rs_fn(mesh, impl), *rs_args):.1f} per-shard"
+           f" {(AG_SHAPE[0] * mesh.shape['tp'], AG_SHAPE[1] // mesh.shape['tp'], AG_SHAPE[2])}"
+           f" mesh {dict(mesh.shape)}")
       emit(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
            f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}")
 
