@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import harness
 from benchmarks import runner  # pylint: disable=unused-import (its --iterations, --out_dir)
 from benchmarks import spmd
+from benchmarks import timeline
 from jax_overlap import decode_bsp
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
@@ -92,6 +93,10 @@ _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"
     " run one process each, so that memory one D fragmented or held never fails the next D's"
     " cases (sessions 24-25: the D = 2 training step ran out of memory after the D = 4 cases).")
+_TIMELINE_CALLS = flags.DEFINE_integer(
+    "timeline_calls", 0, "Also trace this many calls of each case with jax.profiler: per-GPU"
+    " time by category, busy and span, and each launch of our kernels, XLA's barrier and NCCL"
+    " (the record's `timeline`; benchmarks/timeline.py). 0: no trace.")
 _MEMORY_FRACTION = flags.DEFINE_float(
     "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
     " device 0's free memory.")
@@ -118,6 +123,9 @@ OTHER = "other (elementwise, norms, softmax, ...)"
 # category's parts, e.g. the training step's copies (session 25: 14.7 ms
 # fused against 10.1 for BSP, of which the top 12 showed 3.0).
 TOP_KERNELS = 40
+# Kernels whose every launch the timeline lists (lower-case name fragments).
+TIMELINE_LAUNCHES = (f"{ag_kernel.KERNEL_NAME}_mosaic_gpu", f"{rs_kernel.KERNEL_NAME}_mosaic_gpu",
+                     f"{fd_kernel.KERNEL_NAME}_mosaic_gpu", "multigpubarrier", "nccl")
 
 GPU_SHAPES = {"train": ((1, 8192), (8, 2048)), "prefill": ((1, 8192), (8, 2048)),
               "decode": tuple((b, s) for s in (8192, 32768, 131072) for b in (8, 32, 128))}
@@ -243,10 +251,29 @@ def _cupti_per_call(fn, args, devices: int):
   return sum(k.us for k in kernels) / 1e3 / devices, kernels, out
 
 
+def _timeline(run: Callable[[], object]) -> dict | None:
+  """`--timeline_calls` calls of `run` traced: {"devices": {gpu: busy / span /
+  by category, ms per call}, "launches_us": {gpu: {fragment: each launch's
+  median µs}}}; None without the flag or without GPU planes (CPU)."""
+  calls = _TIMELINE_CALLS.value
+  if calls <= 0:
+    return None
+  launches = timeline.device_launches(timeline.trace(run, calls))
+  if not launches:
+    return None
+  return {"calls": calls,
+          "devices": {gpu: dataclasses.asdict(summary) for gpu, summary in timeline.summarize(
+              launches, calls=calls, category=category).items()},
+          "launches_us": {gpu: {f: us for f in TIMELINE_LAUNCHES
+                                if (us := timeline.launch_us(events, f, calls))}
+                          for gpu, events in launches.items()}}
+
+
 def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
   t = harness.measure(fn, args, iterations=iterations)
   return {"cupti_ms": None if t.cupti_us is None else t.cupti_us / 1e3,
-          "dispatch_ms": t.dispatch_us / 1e3, "kernels": t.kernels}
+          "dispatch_ms": t.dispatch_us / 1e3, "kernels": t.kernels,
+          "timeline": _timeline(lambda: jax.block_until_ready(fn(*args)))}
 
 
 def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices: int):
@@ -271,6 +298,11 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
       args = advance(args, out)
       per_call.append(ms)
     result.update(cupti_ms=statistics.median(per_call), kernels=kernels)
+
+  def step():
+    nonlocal args
+    args = jax.block_until_ready(advance(args, fn(*args)))
+  result["timeline"] = _timeline(step)
   return result, jax.block_until_ready(args)
 
 
@@ -390,6 +422,8 @@ def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline:
     gc.collect()
   kernels = figures.pop("kernels")
   info = figures.pop("info")
+  if figures["timeline"] is None:
+    del figures["timeline"]
   record.update(status="ok", wall_s=time.monotonic() - start, **figures, info=info,
                 breakdown_ms=breakdown_ms(kernels, case.d) if kernels else {},
                 top_kernels=[(n, c, t / 1e3 / case.d)
@@ -397,6 +431,23 @@ def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline:
   best = figures["cupti_ms"] if figures["cupti_ms"] is not None else figures["dispatch_ms"]
   record["tokens_per_s"] = record["tokens_per_call"] / best * 1e3
   return record
+
+
+def timeline_lines(record: dict) -> list[str]:
+  """The record's timeline, if traced: per GPU, busy and span, then the
+  categories whose time differs most between GPUs (where devices wait)."""
+  devices = record.get("timeline", {}).get("devices")
+  if not devices:
+    return []
+  lines = ["timeline per GPU, ms per call (busy / span): " + ", ".join(
+      f"{gpu}: {d['busy_ms']:.2f} / {d['span_ms']:.2f}" for gpu, d in devices.items())]
+  labels = {label for d in devices.values() for label in d["by_category_ms"]}
+  per_label = {label: [d["by_category_ms"].get(label, 0.0) for d in devices.values()]
+               for label in labels}
+  for label, ms in sorted(per_label.items(), key=lambda kv: min(kv[1]) - max(kv[1]))[:4]:
+    lines.append(f"  {label}: " + " ".join(f"{x:.2f}" for x in ms)
+                 + f" (spread {max(ms) - min(ms):.2f})")
+  return lines
 
 
 def _line(r: dict) -> str:
@@ -601,6 +652,8 @@ def main(argv) -> None:
           print(f"    {_line(record)}", flush=True)
           for label, ms in record.get("breakdown_ms", {}).items():
             print(f"      {ms:9.3f} ms  {label}", flush=True)
+          for line in timeline_lines(record):
+            print(f"      {line}", flush=True)
           records.append(record)
           # Written after every case: a run cut off by a time limit keeps them.
           _write_json(records, everything, pallas, layers, iterations)

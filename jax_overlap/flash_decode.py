@@ -70,8 +70,9 @@ def _key(p: Problem) -> str:
 # A small ragged GQA case (Hkv = 2) was also behind BSP at D = 4. Both ran the
 # kernel with 16 splits of 4 K/V steps; since the kernel keeps 8+ steps per
 # split (session 30), the same problem on 4 H200s took 31.1 µs against 52.1
-# for `pallas_bsp` (the H200 auto table holds it). The H100 rule stands until
-# it is re-measured there.
+# for `pallas_bsp` and 34.5-39.1 for the Triton pipeline in its own layout
+# (other calls; the H200 auto table holds it). The H100 rule stands until it
+# is re-measured there.
 _AUTO_BSP_MAX_PAIRS = 16
 
 

@@ -16,7 +16,8 @@ from benchmarks import transformer as bench
 @pytest.fixture
 def quick_run(tmp_path):
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--quick", "--axis_sizes=2", "--model_layers=1",
-                                          "--iterations=1", f"--out_dir={tmp_path}"]):
+                                          "--iterations=1", "--timeline_calls=1",
+                                          f"--out_dir={tmp_path}"]):
     bench.main(None)
   return json.loads((tmp_path / "cpux8_transformer.json").read_text())
 
@@ -31,6 +32,7 @@ def test_a_quick_run_records_every_step_and_variant(quick_run):
     assert r["status"] == "ok", r
     assert r["dispatch_ms"] > 0 and r["cupti_ms"] is None  # no CUPTI on CPU
     assert r["info"]["explain"][0].startswith("attention: ")
+    assert "timeline" not in r  # traced, but a CPU trace has no GPU plane
   assert records["tiny/D2/decode/b8_s1024/bsp"]["decode_impl"] == "xla_bsp"
   assert "Hopper" in quick_run["pallas"]
 

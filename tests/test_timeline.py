@@ -1,0 +1,83 @@
+"""benchmarks.timeline: GPU planes and stream lines read from a profile,
+per-GPU summaries, per-launch medians; a real trace on CPU has no GPU plane."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import timeline
+from benchmarks import transformer as bench
+
+
+def _event(name, start, duration):
+  return types.SimpleNamespace(name=name, start_ns=start, duration_ns=duration)
+
+
+def _plane(name, lines):
+  return types.SimpleNamespace(name=name, lines=[types.SimpleNamespace(name=n, events=e)
+                                                 for n, e in lines])
+
+
+# Two calls on two GPUs: GPU 0 runs the AG kernel for 10 then 30 µs per call
+# and waits 5 µs in NCCL; GPU 1 runs it for 12 / 28 and waits 25 in NCCL. An
+# "XLA Ops" line restates kernels and must not count; nor may the host plane.
+AG = "all_gather_matmul_mosaic_gpu_kernel"
+NCCL = "ncclDevKernel_AllReduce_Sum_bf16"
+PROFILE = types.SimpleNamespace(planes=[
+    _plane("/host:CPU", [("python", [_event("call", 0, 1e6)])]),
+    _plane("/device:GPU:1", [
+        ("Stream #7(Compute)", [_event(AG, 0, 12e3), _event(AG, 20e3, 28e3),
+                                _event(AG, 100e3, 12e3), _event(AG, 120e3, 28e3)]),
+        ("Stream #9(Collective)", [_event(NCCL, 50e3, 25e3), _event(NCCL, 150e3, 25e3)]),
+        ("XLA Ops", [_event("fusion", 0, 1e6)])]),
+    _plane("/device:GPU:0", [
+        ("Stream #7(Compute)", [_event(AG, 0, 10e3), _event(AG, 20e3, 30e3),
+                                _event(AG, 100e3, 10e3), _event(AG, 120e3, 30e3),
+                                _event(NCCL, 60e3, 5e3), _event(NCCL, 160e3, 5e3)])]),
+])
+
+
+def test_device_launches_read_gpu_planes_and_stream_lines_only():
+  launches = timeline.device_launches(PROFILE)
+  assert list(launches) == [0, 1]
+  assert [l.name for l in launches[1]] == [AG, AG, NCCL, AG, AG, NCCL]  # by start
+  assert sum(l.duration_ns for l in launches[1]) == 2 * (12e3 + 28e3 + 25e3)
+
+
+def test_summaries_show_which_gpu_waits():
+  summary = timeline.summarize(timeline.device_launches(PROFILE), calls=2,
+                               category=bench.category)
+  assert summary[0].by_category_ms == {"all_gather_matmul (pallas)": 0.04, "nccl": 0.005}
+  assert summary[1].by_category_ms == {"all_gather_matmul (pallas)": 0.04, "nccl": 0.025}
+  assert summary[1].busy_ms == pytest.approx(0.065)
+  assert summary[1].span_ms == pytest.approx(0.0875)  # 0 to 175 µs over 2 calls
+
+
+def test_each_launch_gets_its_median_over_the_calls():
+  launches = timeline.device_launches(PROFILE)
+  assert timeline.launch_us(launches[0], "all_gather_matmul", calls=2) == [10.0, 30.0]
+  assert timeline.launch_us(launches[1], "nccl", calls=2) == [25.0]
+  with pytest.raises(ValueError, match="not the same number in every call"):
+    timeline.launch_us(launches[0], "all_gather_matmul", calls=3)
+
+
+def test_the_benchmark_prints_where_gpus_differ():
+  record = {"timeline": {"devices": {
+      gpu: {"busy_ms": s.busy_ms, "span_ms": s.span_ms, "by_category_ms": s.by_category_ms}
+      for gpu, s in timeline.summarize(timeline.device_launches(PROFILE), calls=2,
+                                       category=bench.category).items()}}}
+  lines = bench.timeline_lines(record)
+  assert lines[0].startswith("timeline per GPU, ms per call (busy / span): 0: 0.04 / ")
+  assert lines[1] == "  nccl: 0.01 0.03 (spread 0.02)"  # the largest spread first
+  assert bench.timeline_lines({}) == []
+
+
+def test_a_cpu_trace_has_no_gpu_plane():
+  f = jax.jit(lambda x: jnp.sin(x) @ x)
+  x = jnp.ones((64, 64))
+  f(x).block_until_ready()
+  profile = timeline.trace(lambda: jax.block_until_ready(f(x)), calls=2)
+  assert any(plane.name == "/host:CPU" for plane in profile.planes)
+  assert timeline.device_launches(profile) == {}
