@@ -80,6 +80,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
@@ -167,6 +168,14 @@ class AllGatherMatmulConfig:
       row chunk per device, strip_chunks None), so w is read from HBM once,
       not once per device's rows: for decode-size rows, where that read
       bounds the op. Needs send "push".
+    entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
+      handshake, run by block 0's first warpgroup; every sender waits for it
+      before its first store into a peer) instead of at the barrier XLA runs
+      before each launch. In one process it measured no faster (AG v17); in
+      a multi-process job, where the AG kernel took 7x its single-process
+      time and the decode kernel, which meets its peers this way, did not
+      (session 30), it is the candidate fix. Experimental: lowering-tested,
+      not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -174,6 +183,7 @@ class AllGatherMatmulConfig:
   strip_chunks: int | None = None
   stream: bool = False
   whole_rows: bool = False
+  entry: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -183,7 +193,7 @@ class AllGatherMatmulConfig:
   def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
-               whole_rows=d.get("whole_rows", False))
+               whole_rows=d.get("whole_rows", False), entry=d.get("entry", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -247,6 +257,9 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
   if config.whole_rows and axis_size not in _WHOLE_GPU_TESTED_AXIS_SIZES:
     return (f"config.whole_rows has passed the GPU tests at D = 2 and 4; at D = {axis_size} it"
             " is tested on CPU (lowering) but not yet run on GPUs (benchmarks/NOTES.md, AG v21).")
+  if config.entry:
+    return ("config.entry is experimental: lowering-tested, not yet run on GPUs (the in-kernel"
+            " handshake instead of XLA's barrier, for multi-process jobs; benchmarks/NOTES.md).")
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
@@ -362,6 +375,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # the gathered x; with one device and no copy there is nothing to send.
   sends = remote or (exchange and return_gathered)
   ring = remote and config.send == "ring"
+  meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
   forward_mode = sends and config.send in ("forward", "ring")
   push_mode = sends and config.send == "push"
   # Pushing, the grid spans every SM: blocks past the last tile only push.
@@ -424,6 +438,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     arrived = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, m_chunks, parts)))
                if remote else None)
     peers = [{axis_name: lax.rem(me + offset, d)} for offset in range(1, d)] if remote else []
+    peers_in = entry.Entry(axis_name, d, me) if meet else None
+    if meet:
+      pl.when((lax.axis_index("sm") == 0) & (wg == 0))(peers_in.porter)
     # Where forwarded rows go: every peer, or with "ring" the one that reads
     # them next, me - 1.
     receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
@@ -470,6 +487,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       if ring:  # every step's rows are passed on, but the last step's (me - 1 has them)
         forwards &= step < d - 1
       dst_rows = pl.ds(row0, tiles.cta_m)
+      if meet and forward_mode:  # before the tile's first store into a peer
+        pl.when(forwards)(peers_in.wait)
 
       @jax.named_scope("forward")
       def forward(k_idx, a_smem):
@@ -586,6 +605,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       @jax.named_scope("push")
       def _():
         load(0)
+        if meet:  # before the first store into a peer
+          peers_in.wait()
 
         @pl.loop(0, mine)
         def _(j):
@@ -626,7 +647,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
     out, gathered = gemm_core.launch(body, name=KERNEL_NAME,
                                      out_type=(out_struct, gathered_struct), num_sms=grid,
-                                     interpret=interpret)(x, w)
+                                     interpret=interpret, skip_device_barrier=meet)(x, w)
     axes = vma.varying_axes(x, w, axis_name=axis_name)
     if not return_gathered:
       return vma.mark_varying(out, axes), None

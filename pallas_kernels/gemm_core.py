@@ -557,10 +557,13 @@ class TileMatmul:
         plgpu.commit_smem_to_gmem_group()
 
 
-def launch(body, *, name: str, out_type, num_sms: int, interpret=None):
+def launch(body, *, name: str, out_type, num_sms: int, interpret=None,
+           skip_device_barrier: bool = False):
   """`plgpu.kernel` with the core's thread layout: a persistent grid "sm" of
   `num_sms` blocks of three warpgroups. `name` names the GPU kernel
-  (`<name>_mosaic_gpu_kernel` in profiles)."""
+  (`<name>_mosaic_gpu_kernel` in profiles). skip_device_barrier: no XLA
+  cross-device barrier before the launch (the kernel then meets its peers
+  itself: `pallas_kernels.entry`)."""
   return plgpu.kernel(
       body,
       kernel_name=name,
@@ -570,7 +573,8 @@ def launch(body, *, name: str, out_type, num_sms: int, interpret=None):
       num_threads=NUM_WARPGROUPS,
       thread_name=WG_AXIS,
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+          skip_device_barrier=skip_device_barrier),
       interpret=interpret,
   )
 

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from jax_overlap import transformer
+from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import platform
 import reference
 # pylint: enable=wrong-import-position
@@ -349,9 +350,18 @@ def _ag_inputs(mesh, key):
   return x, w
 
 
-def _ag_fn(mesh, impl):
+def _ag_fn(mesh, impl, config=None):
   return jax.jit(functools.partial(jax_overlap.sharded_all_gather_matmul, axis_name="tp",
-                                   batch_axes=("dp",), impl=impl, mesh=mesh))
+                                   batch_axes=("dp",), impl=impl, mesh=mesh, config=config))
+
+
+def _ag_entry_config(mesh):
+  """The kernel's default config for AG_SHAPE with `entry` (the in-kernel
+  handshake instead of XLA's barrier; experimental)."""
+  m, k, n = AG_SHAPE
+  config = ag_kernel.default_config(m, k, n, BF16, axis_size=mesh.shape["tp"],
+                                    num_sms=platform.num_sms())
+  return dataclasses.replace(config, entry=True)
 
 
 def _decode_inputs(mesh, key, layers=None):
@@ -534,7 +544,8 @@ def check_gpu_kernel_layer_scan(mesh, impl):
 
 def time_ops(mesh, impl: str):
   """Prints `TIME <op> <impl> <µs>` per call, back to back (this process's
-  view; no check)."""
+  view), for `impl` and xla_bsp, then for the AG kernel with `entry` (checked
+  once against xla_bsp first)."""
   x, w = _ag_inputs(mesh, "gpu time")
   q, k, v, lens = _decode_inputs(mesh, "gpu time")
   with jax.set_mesh(mesh):
@@ -550,6 +561,12 @@ def time_ops(mesh, impl: str):
            f" mesh {dict(mesh.shape)}")
       emit(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
            f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}")
+    # XLA's barrier or not: the kernel with the in-kernel handshake, checked once.
+    entry_fn = _ag_fn(mesh, "pallas", _ag_entry_config(mesh))
+    assert_elementwise(gather(entry_fn(*ag_args)), gather(_ag_fn(mesh, "xla_bsp")(*ag_args)),
+                       "all_gather_matmul pallas+entry")
+    emit(f"TIME all_gather_matmul pallas+entry {back_to_back_us(entry_fn, *ag_args):.1f}"
+         f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}")
 
 
 def scenario_gpu_tp_inside(impl: str = "pallas"):

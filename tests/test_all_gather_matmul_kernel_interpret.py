@@ -703,6 +703,39 @@ def test_whole_rows_is_experimental_where_not_run_on_gpus():
     assert "at D = %d it is tested on CPU" % d in agm.experimental_reason(config, axis_size=d)
 
 
+@pytest.mark.parametrize("d,shape,send", [
+    (2, (1024, 4096, 4096), "forward"), (4, (2048, 8192, 2560), "ring"),
+    (2, (128, 8192, 7168), "push"), (4, (16, 8192, 28672), "whole"),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_entry_meets_the_peers_inside_the_kernel(d, shape, send):
+  """config.entry: no XLA barrier before the launch and one spin over every
+  peer's marker (`entry.Entry`'s handshake) in the kernel; without it, XLA's
+  barrier and no spin. Experimental until run on GPUs."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  base = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
+  assert base.whole_rows == (send == "whole")
+  if send != "whole":
+    base = dataclasses.replace(base, send=send)
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  for meet in (True, False):
+    config = dataclasses.replace(base, entry=meet)
+    assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
+    assert (agm.experimental_reason(config, axis_size=2) is not None) == meet
+    assert agm.AllGatherMatmulConfig.from_dict(config.to_dict()) == config
+    body = lambda x, w, config=config: agm.all_gather_matmul(
+        x, w, axis_name="x", config=config, num_sms=132, return_gathered=False)[0]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
+                              out_specs=jax.P(None, "x")))
+    module = jax.export.export(f, platforms=["cuda"])(
+        sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+    assert ("skip_device_barrier = true" in module) == meet
+    assert module.count("bra SPIN") == int(meet)
+    # The spin reads each peer's two marker words in every round.
+    assert module.count("ld.relaxed.sys.global.b32 first") == (d - 1) * meet
+
+
 def test_warpgroups_side_by_side_need_whole_swizzle_tiles_of_b():
   """Each warpgroup's columns of B start on a 64-column swizzle tile: 32
   columns each fail to lower (seen on GPUs), so the config is refused."""
