@@ -89,6 +89,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
@@ -129,6 +130,13 @@ class MatmulReduceScatterConfig:
       row block of each K split) is reduce-added in float32 into its owner's
       output, zeroed first.
     k_splits: with whole_rows, the K ranges of each column strip.
+    entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
+      handshake, run by block 0's first warpgroup at the start; every
+      warpgroup waits for it before its first write into a peer: a zeroer
+      before announcing `ready`, a tile after its first K loop) instead of
+      at the barrier XLA runs before each launch. For multi-process jobs
+      (see `AllGatherMatmulConfig.entry`); in one process it was no faster
+      (RS v5). Experimental: lowering-tested, not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -137,6 +145,7 @@ class MatmulReduceScatterConfig:
   announce_lag: int = 1
   whole_rows: bool = False
   k_splits: int = 1
+  entry: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -253,6 +262,9 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 2
     return (f"config.whole_rows has passed the GPU tests at D = 2 and 4; at D = {axis_size} it"
             " is tested on CPU (the interpreter, lowering) but not yet run on GPUs"
             " (benchmarks/NOTES.md, RS v9).")
+  if config.entry:
+    return ("config.entry is experimental: lowering-tested, not yet run on GPUs (the in-kernel"
+            " handshake instead of XLA's barrier, for multi-process jobs; benchmarks/NOTES.md).")
   if config.announce_lag != 1:
     return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
@@ -369,6 +381,14 @@ def _signal_devices(sem, me, d: int, axis_name, *, local: bool = True) -> None:
     signals.signal(plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}), "sys")
 
 
+def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
+  """config.entry: the handshake's semaphores, its porter run at once by
+  block 0's first warpgroup; the writers call `wait()` on the result."""
+  peers_in = entry.Entry(axis_name, d, me)
+  pl.when((sm == 0) & (wg == 0))(peers_in.porter)
+  return peers_in
+
+
 def _pad_blocks(x, d: int, rows: int, padded: int):
   """x [d * rows, K] -> [d * padded, K]: each device's row block padded with
   zero rows."""
@@ -425,11 +445,13 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   lag = config.announce_lag if drip else 1
   grid = min(num_sms, total)
   zeroers = _zeroers(total, grid)
+  meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
 
   def body(x_ref, w_ref, out_ref):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
+    peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
     if remote:
       landed = pl.get_global(plgpu.SemaphoreType.REGULAR((per_step, 2)))
       first_in = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, per_step, 2)))
@@ -556,6 +578,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         """The previous tile's late granules and announcement, then what this
         tile waits for: a later sender for the first sender's store, any
         sender for the owner's zeroing, the owner for every peer's partial."""
+        if meet:  # before the warpgroup's first write into a peer
+          pl.when(info.local_index == 0)(peers_in.wait)
         if drip:
           send_late()
         if lag == 1:
@@ -598,6 +622,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
                            pl.ds(n_idx * tiles.cta_n, tiles.cta_n)])
       core.zero_fill(scratch, tiles_of_block)
+      if meet:
+        peers_in.wait()
       with jax.named_scope("ready"):
         _signal_devices(ready.at[me], me, d, axis_name)
 
@@ -630,7 +656,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
   shape = (padded, n) if exchange else (d, padded, n)
   out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
-                         num_sms=grid, interpret=interpret)(x, w)
+                         num_sms=grid, interpret=interpret, skip_device_barrier=meet)(x, w)
   out = out[..., :rows, :]
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))
 
@@ -668,11 +694,13 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   grid = min(num_sms, items)
   zeroers = min(_ZEROERS, grid)
   epi_n = tiles.epi_tile_n
+  meet = remote and config.entry
 
   def body(x_ref, w_ref, out_ref):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
+    peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
     if remote:
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,)))
       landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
@@ -708,6 +736,8 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       def after_k():
         if not remote:
           return
+        if meet:  # before the warpgroup's first write into a peer
+          pl.when(info.local_index == 0)(peers_in.wait)
         pl.when(info.local_index > 0)(announce)
 
         @pl.when(info.local_index == 0)
@@ -732,6 +762,8 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       def _(c):
         plgpu.copy_smem_to_gmem(zeros, out_ref.at[:, pl.ds(c * epi_n, epi_n)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      if meet:
+        peers_in.wait()
       with jax.named_scope("ready"):
         _signal_devices(ready.at[me], me, d, axis_name)
 
@@ -758,7 +790,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   shape = (padded, n) if exchange else (splits, d, padded, n)
   out = gemm_core.launch(body, name=KERNEL_NAME,
                          out_type=jax.ShapeDtypeStruct(shape, jnp.float32), num_sms=grid,
-                         interpret=interpret)(x, w)
+                         interpret=interpret, skip_device_barrier=meet)(x, w)
   if not exchange:
     out = out.sum(axis=0)
   out = out[..., :rows, :].astype(x.dtype)

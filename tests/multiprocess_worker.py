@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 import jax_overlap
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
+from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 import reference
 # pylint: enable=wrong-import-position
@@ -424,9 +425,18 @@ def _placed_rs_inputs(mesh, key):
   return put(mesh, x, P("dp", "tp")), put(mesh, w, P("tp", None))
 
 
-def _rs_fn(mesh, impl):
+def _rs_fn(mesh, impl, config=None):
   return jax.jit(functools.partial(jax_overlap.sharded_matmul_reduce_scatter, axis_name="tp",
-                                   batch_axes=("dp",), impl=impl, mesh=mesh))
+                                   batch_axes=("dp",), impl=impl, mesh=mesh, config=config))
+
+
+def _rs_entry_config(mesh):
+  """The RS kernel's default config for the RS inputs' per-shard problem, with
+  `entry` (experimental)."""
+  tp = mesh.shape["tp"]
+  config = rs_kernel.default_config(AG_SHAPE[0], AG_SHAPE[1] // tp, AG_SHAPE[2], BF16,
+                                    axis_size=tp, num_sms=platform.num_sms())
+  return dataclasses.replace(config, entry=True)
 
 
 def check_gpu_matmul_reduce_scatter(mesh, impl):
@@ -544,8 +554,8 @@ def check_gpu_kernel_layer_scan(mesh, impl):
 
 def time_ops(mesh, impl: str):
   """Prints `TIME <op> <impl> <µs>` per call, back to back (this process's
-  view), for `impl` and xla_bsp, then for the AG kernel with `entry` (checked
-  once against xla_bsp first)."""
+  view), for `impl` and xla_bsp, then for the matmul kernels with `entry`
+  (each checked once against xla_bsp first)."""
   x, w = _ag_inputs(mesh, "gpu time")
   q, k, v, lens = _decode_inputs(mesh, "gpu time")
   with jax.set_mesh(mesh):
@@ -561,12 +571,16 @@ def time_ops(mesh, impl: str):
            f" mesh {dict(mesh.shape)}")
       emit(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
            f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}")
-    # XLA's barrier or not: the kernel with the in-kernel handshake, checked once.
-    entry_fn = _ag_fn(mesh, "pallas", _ag_entry_config(mesh))
-    assert_elementwise(gather(entry_fn(*ag_args)), gather(_ag_fn(mesh, "xla_bsp")(*ag_args)),
-                       "all_gather_matmul pallas+entry")
-    emit(f"TIME all_gather_matmul pallas+entry {back_to_back_us(entry_fn, *ag_args):.1f}"
-         f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}")
+    # XLA's barrier or not: the kernels with the in-kernel handshake, each
+    # checked once against xla_bsp first.
+    for op, fn, entry_config, args in (
+        ("all_gather_matmul", _ag_fn, _ag_entry_config, ag_args),
+        ("matmul_reduce_scatter", _rs_fn, _rs_entry_config, rs_args)):
+      entry_fn = fn(mesh, "pallas", entry_config(mesh))
+      assert_elementwise(gather(entry_fn(*args)), gather(fn(mesh, "xla_bsp")(*args)),
+                         f"{op} pallas+entry")
+      emit(f"TIME {op} pallas+entry {back_to_back_us(entry_fn, *args):.1f} mesh"
+           f" {dict(mesh.shape)}")
 
 
 def scenario_gpu_tp_inside(impl: str = "pallas"):

@@ -542,3 +542,34 @@ def test_a_tile_store_of_rows_needs_the_warpgroups_side_by_side():
     store.granule_part(None, (pl.ds(64, 64), slice(None)), slice(0, 64), slice(0, 64))
   assert store.granule_part(None, (slice(None), pl.ds(0, 64)), slice(64, 128),
                             slice(0, 64)) is None  # rows 64-127 hold none of rows 0-15
+
+
+@pytest.mark.parametrize("d,rows,k,design", [
+    (2, 1024, 4096, "default"), (4, 512, 4096, "default"), (2, 40, 1024, "plain"),
+    (2, 16, 4096, "whole_rows"), (4, 8, 2048, "whole_rows")])
+def test_entry_meets_the_peers_inside_the_kernel(d, rows, k, design):
+  """config.entry: no XLA barrier before the launch and one spin over every
+  peer's marker in the kernel (drip, drip + add_all at D = 4, plain,
+  whole_rows); without it, XLA's barrier and no spin. Experimental."""
+  n = 8192
+  mesh = jax.make_mesh((d,), ("x",))
+  base = {"default": rs.default_config, "plain": rs.base_config,
+          "whole_rows": rs.whole_rows_config}[design](rows, k, n, BF16, axis_size=d,
+                                                       num_sms=132)
+  assert base.whole_rows == (design == "whole_rows")
+  assert base.add_all == (design == "default" and d == 4)
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  for meet in (True, False):
+    config = dataclasses.replace(base, entry=meet)
+    assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
+    assert (rs.experimental_reason(config, axis_size=d) is not None) == meet
+    body = lambda x, w, config=config: rs.matmul_reduce_scatter(
+        x, w, axis_name="x", config=config, num_sms=132)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x")),
+                              out_specs=jax.P("x")))
+    module = jax.export.export(f, platforms=["cuda"])(
+        sds((d * rows, d * k), jax.P(None, "x")), sds((d * k, n), jax.P("x"))).mlir_module()
+    assert ("skip_device_barrier = true" in module) == meet
+    assert module.count("bra SPIN") == int(meet)
+    assert module.count("ld.relaxed.sys.global.b32 first") == (d - 1) * meet
