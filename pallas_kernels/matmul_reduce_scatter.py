@@ -254,7 +254,7 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
 
 
-def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 2
+def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
                         ) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet measured faster on GPUs, or not run on them), or None."""
