@@ -258,15 +258,18 @@ def _timeline(run: Callable[[], object]) -> dict | None:
   calls = _TIMELINE_CALLS.value
   if calls <= 0:
     return None
-  launches = timeline.device_launches(timeline.trace(run, calls))
-  if not launches:
-    return None
-  return {"calls": calls,
-          "devices": {gpu: dataclasses.asdict(summary) for gpu, summary in timeline.summarize(
-              launches, calls=calls, category=category).items()},
-          "launches_us": {gpu: {f: us for f in TIMELINE_LAUNCHES
-                                if (us := timeline.launch_us(events, f, calls))}
-                          for gpu, events in launches.items()}}
+  try:  # a diagnostic: its failure must not fail the case
+    launches = timeline.device_launches(timeline.trace(run, calls))
+    if not launches:
+      return None
+    return {"calls": calls,
+            "devices": {gpu: dataclasses.asdict(summary) for gpu, summary in timeline.summarize(
+                launches, calls=calls, category=category).items()},
+            "launches_us": {gpu: {f: us for f in TIMELINE_LAUNCHES
+                                  if (us := timeline.launch_us(events, f, calls))}
+                            for gpu, events in launches.items()}}
+  except Exception as e:  # pylint: disable=broad-except
+    return {"calls": calls, "error": _error_text(e)}
 
 
 def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
@@ -436,7 +439,10 @@ def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline:
 def timeline_lines(record: dict) -> list[str]:
   """The record's timeline, if traced: per GPU, busy and span, then the
   categories whose time differs most between GPUs (where devices wait)."""
-  devices = record.get("timeline", {}).get("devices")
+  traced = record.get("timeline", {})
+  if "error" in traced:
+    return [f"timeline failed: {traced['error']}"]
+  devices = traced.get("devices")
   if not devices:
     return []
   lines = ["timeline per GPU, ms per call (busy / span): " + ", ".join(

@@ -3,10 +3,12 @@ per-GPU summaries, per-launch medians; a real trace on CPU has no GPU plane."""
 
 import types
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import pytest
 
+import testkit
 from benchmarks import timeline
 from benchmarks import transformer as bench
 
@@ -81,3 +83,16 @@ def test_a_cpu_trace_has_no_gpu_plane():
   profile = timeline.trace(lambda: jax.block_until_ready(f(x)), calls=2)
   assert any(plane.name == "/host:CPU" for plane in profile.planes)
   assert timeline.device_launches(profile) == {}
+
+
+def test_a_failed_trace_is_reported_not_raised(monkeypatch):
+  """The timeline is a diagnostic: a trace that fails leaves the case's
+  figures alone and says why."""
+  def fail(run, calls):
+    raise RuntimeError("CUPTI is busy")
+  monkeypatch.setattr(timeline, "trace", fail)
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--timeline_calls=2"]):
+    traced = bench._timeline(lambda: None)  # pylint: disable=protected-access
+  assert traced["calls"] == 2 and "RuntimeError: CUPTI is busy" in traced["error"]
+  assert bench.timeline_lines({"timeline": traced})[0].startswith(
+      "timeline failed: RuntimeError: CUPTI is busy")
