@@ -36,7 +36,7 @@ def test_every_grid_point_is_a_problem_the_kernels_tile():
         for proj in ("o", "down"):
           m, k, n = auto_grid.per_shard_shape("matmul_reduce_scatter", proj, model, rows, d)
           config = rsk.default_config(m // d, k, n, jnp.bfloat16, axis_size=d, num_sms=132)
-          assert rsk.unsupported_reason(m // d, k, n, jnp.bfloat16, config) is None
+          assert rsk.unsupported_reason(m // d, k, n, jnp.bfloat16, config, axis_size=d) is None
 
 
 def test_decode_points_cover_the_grid_within_the_memory_cap():
