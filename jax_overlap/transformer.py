@@ -80,6 +80,8 @@ logger = logging.getLogger("jax_overlap")
 
 ATTENTION_IMPLS = ("cudnn", "xla")
 _F32 = jnp.float32
+# The per-layer RMSNorm scales, [L, H], replicated over the axis.
+_NORMS = ("norm_attn", "norm_mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +183,7 @@ def init_params(key, config: TransformerConfig, layers: int) -> dict:
   normal = lambda k, shape, fan_in: (
       jax.random.normal(k, shape, _F32) / math.sqrt(fan_in)).astype(c.dtype)
   stack = {name: normal(k, shape, fan_in) for k, (name, (shape, fan_in)) in zip(keys, shapes.items())}
-  stack.update({name: jnp.ones((l, c.hidden), c.dtype) for name in ("norm_attn", "norm_mlp")})
+  stack.update({name: jnp.ones((l, c.hidden), c.dtype) for name in _NORMS})
   return {"embed": normal(keys[-2], (c.vocab, c.hidden), 1),
           "norm_final": jnp.ones((c.hidden,), c.dtype),
           "w_head": normal(keys[-1], (c.hidden, c.vocab), c.hidden),
@@ -462,7 +464,16 @@ def _layers(params, tokens, ops: _Ops, *, keep_kv: bool):
     return _mlp(x, p, ops), ((by_seq(k), by_seq(v)) if keep_kv else None)
 
   x = _embed(tokens.reshape(-1), params["embed"], ops.axis_name)
-  return lax.scan(layer, x, params["layers"])
+  # The norms' scales are replicated. Typed varying for the scan, their
+  # per-layer gradients stay per device, and the transpose of this cast sums
+  # them over the axis once for all layers after the backward scan: no
+  # all-reduce per layer, where every device would wait for the slowest
+  # (8 70B-like layers on 4 H200s: 12.5 ms of such waits per fused training
+  # step, benchmarks/NOTES.md, model v8).
+  stacked = dict(params["layers"])
+  for name in _NORMS:
+    stacked[name] = vma.mark_varying(stacked[name], frozenset({ops.axis_name}))
+  return lax.scan(layer, x, stacked)
 
 
 def _cross_entropy(logits, labels, axis_name):

@@ -259,6 +259,41 @@ def test_the_layer_loop_keeps_no_copy_of_the_weights(impl, monkeypatch):
   assert (LAYERS, rows, config.hidden) not in f32, f32
 
 
+def _primitives(jaxpr):
+  """The names of every primitive in `jaxpr` and the jaxprs nested in it."""
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _primitives(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _primitives(sub)
+
+
+@pytest.mark.parametrize("reverted", [False, True], ids=["model", "per_layer_norm_sums"])
+def test_the_backward_layer_loop_holds_no_all_reduce(reverted, monkeypatch):
+  """The norm scales' gradients are summed over the axis once, after the
+  backward scan, not once per layer inside it (a per-layer all-reduce is a
+  point where every device waits for the slowest). Traced at D = 2; with the
+  cast to varying undone (`_NORMS` empty) the per-layer sums come back, so
+  the check can fail."""
+  if reverted:
+    monkeypatch.setattr(transformer, "_NORMS", ())
+  mesh, params, _, _ = _setup(2, "no all-reduce")
+  tokens = testkit.put(mesh, np.zeros((2, 8), np.int32), P())
+  with jax.set_mesh(mesh):
+    closed = jax.make_jaxpr(functools.partial(
+        transformer.loss_and_grads, config=CONFIG, axis_name=AXIS, impl="xla_bsp"))(
+            params, tokens, tokens)
+  forward, backward = list(_scans(closed.jaxpr))[:2]
+  sums = [n for n in _primitives(backward.params["jaxpr"].jaxpr) if n.startswith("psum")
+          and "scatter" not in n]
+  assert bool(sums) == reverted, sums
+  assert not [n for n in _primitives(forward.params["jaxpr"].jaxpr) if n.startswith("psum")
+              and "scatter" not in n]
+
+
 def test_rms_norm_gradient_matches_autodiff():
   """The RMSNorm's hand-written backward (it keeps its input and one float32
   per row) against autodiff of the same formula, float32, fresh random data."""
