@@ -381,6 +381,16 @@ def _signal_devices(sem, me, d: int, axis_name, *, local: bool = True) -> None:
     signals.signal(plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}), "sys")
 
 
+def _announce_zeroed(ready, me, d: int, axis_name, peers_in: entry.Entry | None) -> None:
+  """A zeroer's share of this device's output is zeroed: `ready[me]` + 1 on
+  every device, after the entry handshake if there is one (the zeroer's
+  first write into a peer)."""
+  if peers_in is not None:
+    peers_in.wait()
+  with jax.named_scope("ready"):
+    _signal_devices(ready.at[me], me, d, axis_name)
+
+
 def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   """config.entry: the handshake's semaphores, its porter run at once by
   block 0's first warpgroup; the writers call `wait()` on the result."""
@@ -622,10 +632,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
                            pl.ds(n_idx * tiles.cta_n, tiles.cta_n)])
       core.zero_fill(scratch, tiles_of_block)
-      if meet:
-        peers_in.wait()
-      with jax.named_scope("ready"):
-        _signal_devices(ready.at[me], me, d, axis_name)
+      _announce_zeroed(ready, me, d, axis_name, peers_in)
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):
@@ -762,10 +769,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       def _(c):
         plgpu.copy_smem_to_gmem(zeros, out_ref.at[:, pl.ds(c * epi_n, epi_n)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      if meet:
-        peers_in.wait()
-      with jax.named_scope("ready"):
-        _signal_devices(ready.at[me], me, d, axis_name)
+      _announce_zeroed(ready, me, d, axis_name, peers_in)
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):

@@ -207,17 +207,20 @@ def test_train_step_is_an_sgd_step():
     _close(a, functools.reduce(lambda t, k: t[k.key], path, want), jax.tree_util.keystr(path))
 
 
-def _scans(jaxpr):
-  """Every scan equation in `jaxpr` and the jaxprs nested in its equations."""
+def _equations(jaxpr):
+  """Every equation in `jaxpr` and the jaxprs nested in its equations, in order."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      yield eqn
+    yield eqn
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _scans(sub.jaxpr)
+          yield from _equations(sub.jaxpr)
         elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _scans(sub)
+          yield from _equations(sub)
+
+
+def _scans(jaxpr):
+  return (eqn for eqn in _equations(jaxpr) if eqn.primitive.name == "scan")
 
 
 @pytest.mark.parametrize("impl", ["xla_bsp", "pallas"])
@@ -259,18 +262,6 @@ def test_the_layer_loop_keeps_no_copy_of_the_weights(impl, monkeypatch):
   assert (LAYERS, rows, config.hidden) not in f32, f32
 
 
-def _primitives(jaxpr):
-  """The names of every primitive in `jaxpr` and the jaxprs nested in it."""
-  for eqn in jaxpr.eqns:
-    yield eqn.primitive.name
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _primitives(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _primitives(sub)
-
-
 @pytest.mark.parametrize("reverted", [False, True], ids=["model", "per_layer_norm_sums"])
 def test_the_backward_layer_loop_holds_no_all_reduce(reverted, monkeypatch):
   """The norm scales' gradients are summed over the axis once, after the
@@ -287,11 +278,10 @@ def test_the_backward_layer_loop_holds_no_all_reduce(reverted, monkeypatch):
         transformer.loss_and_grads, config=CONFIG, axis_name=AXIS, impl="xla_bsp"))(
             params, tokens, tokens)
   forward, backward = list(_scans(closed.jaxpr))[:2]
-  sums = [n for n in _primitives(backward.params["jaxpr"].jaxpr) if n.startswith("psum")
-          and "scatter" not in n]
-  assert bool(sums) == reverted, sums
-  assert not [n for n in _primitives(forward.params["jaxpr"].jaxpr) if n.startswith("psum")
-              and "scatter" not in n]
+  sums = lambda scan: [e.primitive.name for e in _equations(scan.params["jaxpr"].jaxpr)
+                       if e.primitive.name.startswith("psum") and "scatter" not in e.primitive.name]
+  assert bool(sums(backward)) == reverted, sums(backward)
+  assert not sums(forward)
 
 
 def test_rms_norm_gradient_matches_autodiff():
