@@ -70,7 +70,8 @@ def device_launches(profile) -> dict[int, list[Launch]]:
 @dataclasses.dataclass(frozen=True)
 class DeviceSummary:
   """One GPU's time per call (ms): kernels by category, their sum, and the
-  span from its first kernel's start to its last one's end."""
+  span from its first kernel's start to its last one's end (over all the
+  calls, the host's gaps between them included, divided by the calls)."""
   by_category_ms: dict[str, float]
   busy_ms: float
   span_ms: float
