@@ -22,6 +22,7 @@ _WRITE = flags.DEFINE_string("write", "", "A Markdown file whose marked section 
 _ALL = flags.DEFINE_bool("all", False, "Also CPU runs (smoke tests, not performance).")
 
 BEGIN, END = "<!-- MODEL_TABLE -->", "<!-- /MODEL_TABLE -->"
+FIGURES = ("cupti", "dispatch", "span")  # in each cell, in this order
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -41,10 +42,12 @@ def markdown(payloads: list[dict]) -> str:
         dates[0] if dates else "?")
     out.append(f"**{p['devices']} x {p['device_kind']}** (`{p['tag']}_transformer.json`;"
                f" jax {p['jax_version']}; {p['layers']} layers, random weights; {when}).")
-    out.append("Per step, per device, ms: CUPTI (sum of kernel time) / back-to-back dispatch;"
-               " speedup = BSP time / fused time.")
+    out.append("Per step, per device, ms: CUPTI (the sum of kernel times: kernels on concurrent"
+               " streams count twice) / back-to-back dispatch (wall clock) / span (the slowest"
+               " GPU's time per call in a profiler trace, where recorded); speedup = BSP time /"
+               " fused time.")
     out.append("")
-    out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch |"
+    out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch / span |"
                " measured (UTC) |")
     out.append("|---|---|---|---|---|---|---|---|")
     measured = {}  # a row's latest record, to the minute: older rows stand out
@@ -65,11 +68,9 @@ def markdown(payloads: list[dict]) -> str:
         out.append(f"| {r['model']} | {r['d']} | {r['step']} | {shape} | {r['status']} |"
                    f" {'; '.join(sorted(reasons))} | - | {measured[base] or '?'} |")
         continue
-      out.append(
-          f"| {r['model']} | {r['d']} | {r['step']} | {shape} |"
-          f" {_fmt(r['fused_cupti_ms'])} / {_fmt(r['fused_dispatch_ms'])} |"
-          f" {_fmt(r['bsp_cupti_ms'])} / {_fmt(r['bsp_dispatch_ms'])} |"
-          f" {_fmt(r['speedup_cupti'])} / {_fmt(r['speedup_dispatch'])} | {measured[base] or '?'} |")
+      cell = lambda key: " / ".join(_fmt(r[key.format(figure)]) for figure in FIGURES)
+      out.append(f"| {r['model']} | {r['d']} | {r['step']} | {shape} | {cell('fused_{}_ms')} |"
+                 f" {cell('bsp_{}_ms')} | {cell('speedup_{}')} | {measured[base] or '?'} |")
     out.append("")
   return "\n".join(out).rstrip()
 

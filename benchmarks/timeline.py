@@ -69,18 +69,33 @@ def device_launches(profile) -> dict[int, list[Launch]]:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSummary:
-  """One GPU's time per call (ms): kernels by category, their sum, and the
-  span from its first kernel's start to its last one's end (over all the
-  calls, the host's gaps between them included, divided by the calls)."""
+  """One GPU's time per call (ms): kernels by category, their sum (busy),
+  the time at least one kernel ran (covered: kernels on concurrent streams
+  count once), and the span from its first kernel's start to its last one's
+  end (over all the calls, the host's gaps between them included, divided
+  by the calls)."""
   by_category_ms: dict[str, float]
   busy_ms: float
   span_ms: float
+  covered_ms: float
+
+
+def _covered_ns(events: list[Launch]) -> float:
+  """The length of the union of `events`' intervals (sorted by start)."""
+  covered, end = 0.0, float("-inf")
+  for e in events:
+    stop = e.start_ns + e.duration_ns
+    if stop > end:
+      covered += stop - max(e.start_ns, end)
+      end = stop
+  return covered
 
 
 def summarize(launches: dict[int, list[Launch]], *, calls: int,
               category: Callable[[str], str]) -> dict[int, DeviceSummary]:
   """Per GPU: `DeviceSummary` averaged over `calls` calls. Kernels on
-  concurrent streams both count in busy_ms (it can exceed span_ms)."""
+  concurrent streams both count in busy_ms (it can exceed span_ms), once in
+  covered_ms."""
   out = {}
   for gpu, events in launches.items():
     totals: dict[str, float] = {}
@@ -89,7 +104,8 @@ def summarize(launches: dict[int, list[Launch]], *, calls: int,
     span = (max(e.start_ns + e.duration_ns for e in events) - events[0].start_ns) if events else 0
     out[gpu] = DeviceSummary(
         {k: v / 1e6 / calls for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
-        sum(totals.values()) / 1e6 / calls, span / 1e6 / calls)
+        sum(totals.values()) / 1e6 / calls, span / 1e6 / calls,
+        _covered_ns(events) / 1e6 / calls)
   return out
 
 

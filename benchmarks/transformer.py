@@ -437,16 +437,19 @@ def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline:
 
 
 def timeline_lines(record: dict) -> list[str]:
-  """The record's timeline, if traced: per GPU, busy and span, then the
-  categories whose time differs most between GPUs (where devices wait)."""
+  """The record's timeline, if traced: per GPU, busy, covered and span
+  (`timeline.DeviceSummary`), then the categories whose time differs most
+  between GPUs (where devices wait)."""
   traced = record.get("timeline", {})
   if "error" in traced:
     return [f"timeline failed: {traced['error']}"]
   devices = traced.get("devices")
   if not devices:
     return []
-  lines = ["timeline per GPU, ms per call (busy / span): " + ", ".join(
-      f"{gpu}: {d['busy_ms']:.2f} / {d['span_ms']:.2f}" for gpu, d in devices.items())]
+  covered = lambda d: f"{d['covered_ms']:.2f}" if "covered_ms" in d else "-"
+  lines = ["timeline per GPU, ms per call (busy / covered / span): " + ", ".join(
+      f"{gpu}: {d['busy_ms']:.2f} / {covered(d)} / {d['span_ms']:.2f}"
+      for gpu, d in devices.items())]
   labels = {label for d in devices.values() for label in d["by_category_ms"]}
   per_label = {label: [d["by_category_ms"].get(label, 0.0) for d in devices.values()]
                for label in labels}
@@ -463,8 +466,22 @@ def _line(r: dict) -> str:
   return f"cupti {cupti} ms, dispatch {r['dispatch_ms']:.2f} ms ({r['wall_s']:.0f} s)"
 
 
+def span_ms(record: dict) -> float | None:
+  """The slowest GPU's span per call in the record's timeline (ms; None if
+  not traced): wall time on the GPUs, where CUPTI's figure sums kernels and
+  so counts twice what runs on concurrent streams (the BSP training step's
+  NCCL kernels beside its GEMMs)."""
+  devices = record.get("timeline", {}).get("devices")
+  return max(d["span_ms"] for d in devices.values()) if devices else None
+
+
+_FIGURES = {"cupti_ms": lambda r: r.get("cupti_ms"), "dispatch_ms": lambda r: r.get("dispatch_ms"),
+            "span_ms": span_ms}
+
+
 def speedups(records: list[dict]) -> list[dict]:
-  """One row per (model, D, step, shape): both variants' times and bsp / fused."""
+  """One row per (model, D, step, shape): both variants' figures (CUPTI,
+  dispatch, span) and bsp / fused for each."""
   by_key = {r["key"]: r for r in records}
   rows, seen = [], set()
   for r in records:
@@ -474,9 +491,9 @@ def speedups(records: list[dict]) -> list[dict]:
     seen.add(base)
     fused, bsp = by_key.get(base + "/fused"), by_key.get(base + "/bsp")
     row = {k: r[k] for k in ("model", "d", "step", "shape")}
-    for figure in ("cupti_ms", "dispatch_ms"):
-      f = fused.get(figure) if fused and fused["status"] == "ok" else None
-      b = bsp.get(figure) if bsp and bsp["status"] == "ok" else None
+    for figure, get in _FIGURES.items():
+      f = get(fused) if fused and fused["status"] == "ok" else None
+      b = get(bsp) if bsp and bsp["status"] == "ok" else None
       row[f"fused_{figure}"], row[f"bsp_{figure}"] = f, b
       row[f"speedup_{figure.split('_')[0]}"] = b / f if f and b else None
     row["status"] = "/".join((x or {}).get("status", "missing") for x in (fused, bsp))
@@ -486,12 +503,12 @@ def speedups(records: list[dict]) -> list[dict]:
 
 def table(records: list[dict]) -> list[str]:
   fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)
-  header = ("model", "D", "step", "shape", "fused ms c/d", "bsp ms c/d", "speedup c/d", "status")
-  rows = [(r["model"], str(r["d"]), r["step"], r["shape"],
-           f"{fmt(r['fused_cupti_ms'])} / {fmt(r['fused_dispatch_ms'])}",
-           f"{fmt(r['bsp_cupti_ms'])} / {fmt(r['bsp_dispatch_ms'])}",
-           f"{fmt(r['speedup_cupti'])} / {fmt(r['speedup_dispatch'])}", r["status"])
-          for r in speedups(records)]
+  header = ("model", "D", "step", "shape", "fused ms c/d/s", "bsp ms c/d/s", "speedup c/d/s",
+            "status")
+  figures = ("cupti", "dispatch", "span")
+  cell = lambda r, key: " / ".join(fmt(r[key.format(figure)]) for figure in figures)
+  rows = [(r["model"], str(r["d"]), r["step"], r["shape"], cell(r, "fused_{}_ms"),
+           cell(r, "bsp_{}_ms"), cell(r, "speedup_{}"), r["status"]) for r in speedups(records)]
   widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
   line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
   return [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
@@ -667,8 +684,9 @@ def main(argv) -> None:
       gc.collect()
   path, kept, all_records = _write_json(records, everything, pallas, layers, iterations)
   print()
-  print(f"jax_overlap.transformer on {device}: per step, per device, ms (c = CUPTI,"
-        " d = dispatch); speedup = bsp / fused")
+  print(f"jax_overlap.transformer on {device}: per step, per device, ms (c = CUPTI, the sum"
+        " of kernel times; d = dispatch; s = the slowest GPU's span per traced call, with"
+        " --timeline_calls); speedup = bsp / fused")
   print("\n".join(table(records)))
   print(f"\nJSON: {path} ({len(records)} records from this run, {len(kept)} kept)")
   print(_chart(all_records, path.with_suffix(".png"), device))

@@ -44,11 +44,12 @@ class Problem:
 
 
 def _kernel_config(p: Problem) -> kernel.AllGatherMatmulConfig:
-  """The caller's config, else a tuned one for this problem, else the heuristic's."""
-  return p.config or tuned.all_gather_matmul_config(
+  """The caller's config, else a tuned one for this problem or the
+  heuristic's, for this job (`dispatch.for_this_job`)."""
+  return p.config or dispatch.for_this_job(tuned.all_gather_matmul_config(
       platform.device_kind(), p.axis_size, p.m_shard, p.k, p.n_shard, p.dtype
   ) or kernel.default_config(p.m_shard, p.k, p.n_shard, p.dtype,
-                             axis_size=p.axis_size, num_sms=platform.num_sms())
+                             axis_size=p.axis_size, num_sms=platform.num_sms()))
 
 
 def _pallas_support(p: Problem) -> str | None:

@@ -63,25 +63,28 @@ def _key(p: Problem) -> str:
                           p.dtype)
 
 
-# Below this many (sequence, KV head) pairs at D >= 3, the fused kernel's
-# exchange and combine outweigh its local attention: H100 x4, B = 1, Hkv = 8,
-# 32K positions: 52.1 µs against 37.5 for the Triton kernel + all-gather +
-# merge (`pallas_bsp`'s pipeline); at B x Hkv = 64 (8 x 8) it was 1.19x ahead.
-# A small ragged GQA case (Hkv = 2) was also behind BSP at D = 4. Both ran the
-# kernel with 16 splits of 4 K/V steps; since the kernel keeps 8+ steps per
-# split (session 30), the same problem on 4 H200s took 31.1 µs against 52.1
-# for `pallas_bsp` and 34.5-39.1 for the Triton pipeline in its own layout
-# (other calls; the H200 auto table holds it). The H100 rule stands until it
-# is re-measured there.
+# Below this many (sequence, KV head) pairs at D >= 3 on H100s, the fused
+# kernel's exchange and combine outweighed its local attention: H100 x4,
+# B = 1, Hkv = 8, 32K positions: 52.1 µs against 37.5 for the Triton kernel +
+# all-gather + merge (`pallas_bsp`'s pipeline); at B x Hkv = 64 (8 x 8) it was
+# 1.19x ahead. A small ragged GQA case (Hkv = 2) was also behind BSP at D = 4.
+# Both ran the kernel with 16 splits of 4 K/V steps. Since the kernel keeps 8+
+# steps per split (session 30), the D = 4 grid on 4 H200s (session 31,
+# `results/h200x4_auto_grid.json`) has the fused kernel ahead of `pallas_bsp`
+# at 7 of the 9 B = 1 points of 8B / 70B / 405B-like heads (1.21-1.83x) and
+# level at 128K positions (68.6 / 69.3 and 66.3 / 65.5 µs): the rule holds on
+# H100s only, until it is re-measured there.
 _AUTO_BSP_MAX_PAIRS = 16
+_FEW_PAIRS_DEVICE = "H100"
 
 
 def _few_pairs_rule(p: Problem) -> str | None:
   pairs = p.batch * p.kv_heads
-  if p.axis_size >= 3 and pairs < _AUTO_BSP_MAX_PAIRS and _pallas_bsp_support(p) is None:
-    return (f"measured slower than pallas_bsp at D >= 3 with fewer than {_AUTO_BSP_MAX_PAIRS}"
-            f" (sequence, KV head) pairs ({p.batch} x {p.kv_heads} here; H100 x4, 1 x 8:"
-            " 52.1 against 37.5 µs); impl='pallas' runs it.")
+  if (p.axis_size >= 3 and pairs < _AUTO_BSP_MAX_PAIRS and _pallas_bsp_support(p) is None
+      and _FEW_PAIRS_DEVICE in platform.device_kind()):
+    return (f"measured slower than pallas_bsp on {_FEW_PAIRS_DEVICE}s at D >= 3 with fewer than"
+            f" {_AUTO_BSP_MAX_PAIRS} (sequence, KV head) pairs ({p.batch} x {p.kv_heads} here;"
+            " H100 x4, 1 x 8: 52.1 against 37.5 µs); impl='pallas' runs it.")
   return None
 
 
@@ -162,8 +165,8 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       "pallas": the fused kernel (Hopper; bf16/fp16, Dh 64 or 128, S_shard a
         multiple of its block_kv * splits): local attention and exchange of
         the partials in one persistent kernel; "auto" skips it where it was
-        measured slower (the auto table of this GPU, else: D >= 3 with fewer
-        than 16 (sequence, KV head) pairs);
+        measured slower (the auto table of this GPU, else on H100s: D >= 3
+        with fewer than 16 (sequence, KV head) pairs);
       "pallas_bsp": on any NVIDIA GPU (compute capability >= 8.0; bf16/fp16,
         Dh 64 or 128, S_shard split by `decode_bsp.kernel_params`): JAX's
         Pallas Triton decode kernel over the local slice, `lax.all_gather`

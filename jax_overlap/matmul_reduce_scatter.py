@@ -43,10 +43,11 @@ class Problem:
 
 
 def _kernel_config(p: Problem) -> kernel.MatmulReduceScatterConfig:
-  """The caller's config, else the kernel's heuristic."""
-  return p.config or kernel.default_config(
+  """The caller's config, else the kernel's heuristic for this job
+  (`dispatch.for_this_job`)."""
+  return p.config or dispatch.for_this_job(kernel.default_config(
       p.m // p.axis_size, p.k_shard, p.n, p.dtype, axis_size=p.axis_size,
-      num_sms=platform.num_sms())
+      num_sms=platform.num_sms()))
 
 
 def _pallas_support(p: Problem) -> str | None:

@@ -251,15 +251,22 @@ def default_config(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
 _WHOLE_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
 
 
+# The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
+# (every send), the 2 x 2 multi-process job's checks at D = 2 (session 31); at
+# D = 1 the kernel has no peers to meet.
+_ENTRY_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
+
+
 def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   faster on GPUs where measured, or not run on them), or None."""
   if config.whole_rows and axis_size not in _WHOLE_GPU_TESTED_AXIS_SIZES:
     return (f"config.whole_rows has passed the GPU tests at D = 2 and 4; at D = {axis_size} it"
             " is tested on CPU (lowering) but not yet run on GPUs (benchmarks/NOTES.md, AG v21).")
-  if config.entry:
-    return ("config.entry is experimental: lowering-tested, not yet run on GPUs (the in-kernel"
-            " handshake instead of XLA's barrier, for multi-process jobs; benchmarks/NOTES.md).")
+  if config.entry and axis_size not in _ENTRY_GPU_TESTED_AXIS_SIZES:
+    return (f"config.entry (the in-kernel handshake instead of XLA's barrier) has passed the GPU"
+            f" tests at D = 4 and run in a 2 x 2 multi-process job at D = 2; at D = {axis_size}"
+            " it is lowering-tested but not yet run on GPUs (benchmarks/NOTES.md, AG v22).")
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")

@@ -254,6 +254,12 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
 
 
+# The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
+# (drip + add_all, plain, whole_rows), the 2 x 2 multi-process job's checks
+# at D = 2 (session 31); at D = 1 the kernel has no peers to meet.
+_ENTRY_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
+
+
 def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
                         ) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
@@ -262,9 +268,10 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
     return (f"config.whole_rows has passed the GPU tests at D = 2 and 4; at D = {axis_size} it"
             " is tested on CPU (the interpreter, lowering) but not yet run on GPUs"
             " (benchmarks/NOTES.md, RS v9).")
-  if config.entry:
-    return ("config.entry is experimental: lowering-tested, not yet run on GPUs (the in-kernel"
-            " handshake instead of XLA's barrier, for multi-process jobs; benchmarks/NOTES.md).")
+  if config.entry and axis_size not in _ENTRY_GPU_TESTED_AXIS_SIZES:
+    return (f"config.entry (the in-kernel handshake instead of XLA's barrier) has passed the GPU"
+            f" tests at D = 4 and run in a 2 x 2 multi-process job at D = 2; at D = {axis_size}"
+            " it is lowering-tested but not yet run on GPUs (benchmarks/NOTES.md, RS v10).")
   if config.announce_lag != 1:
     return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")

@@ -358,7 +358,7 @@ def _ag_fn(mesh, impl, config=None):
 
 def _ag_entry_config(mesh):
   """The kernel's default config for AG_SHAPE with `entry` (the in-kernel
-  handshake instead of XLA's barrier; experimental)."""
+  handshake instead of XLA's barrier)."""
   m, k, n = AG_SHAPE
   config = ag_kernel.default_config(m, k, n, BF16, axis_size=mesh.shape["tp"],
                                     num_sms=platform.num_sms())
@@ -432,7 +432,7 @@ def _rs_fn(mesh, impl, config=None):
 
 def _rs_entry_config(mesh):
   """The RS kernel's default config for the RS inputs' per-shard problem, with
-  `entry` (experimental)."""
+  `entry`."""
   tp = mesh.shape["tp"]
   config = rs_kernel.default_config(AG_SHAPE[0], AG_SHAPE[1] // tp, AG_SHAPE[2], BF16,
                                     axis_size=tp, num_sms=platform.num_sms())
@@ -552,35 +552,45 @@ def check_gpu_kernel_layer_scan(mesh, impl):
                   4 * LAYERS)
 
 
+TIME_ROUNDS = 5  # interleaved rounds per timing
+TIME_CALLS = 20  # back-to-back calls per round
+
+
 def time_ops(mesh, impl: str):
-  """Prints `TIME <op> <impl> <µs>` per call, back to back (this process's
-  view), for `impl` and xla_bsp, then for the matmul kernels with `entry`
-  (each checked once against xla_bsp first)."""
+  """Prints `TIME <op> <label> <median> <min> <max>` (µs per call, this
+  process's view): `back_to_back_us` of TIME_CALLS calls, in TIME_ROUNDS
+  rounds that interleave every contender: each op with `impl` and xla_bsp,
+  and the matmul kernels with `entry` named (in a multi-process job
+  impl="pallas" takes it by default; `dispatch.for_this_job`), each checked
+  once against xla_bsp first."""
   x, w = _ag_inputs(mesh, "gpu time")
   q, k, v, lens = _decode_inputs(mesh, "gpu time")
+  tp = mesh.shape["tp"]
+  emit(f"SHAPES per shard: all_gather_matmul {AG_SHAPE}, matmul_reduce_scatter"
+       f" {(AG_SHAPE[0] * tp, AG_SHAPE[1] // tp, AG_SHAPE[2])}, flash_decode {DECODE_SHAPE};"
+       f" mesh {dict(mesh.shape)}")
   with jax.set_mesh(mesh):
     ag_args = _placed_ag(mesh, x, w)
     rs_args = _placed_rs_inputs(mesh, "gpu time rs")
     dec_args = _placed_decode(mesh, q, k, v, lens)
-    for impl in (impl, "xla_bsp"):  # pylint: disable=redefined-argument-from-local
-      emit(f"TIME all_gather_matmul {impl} {back_to_back_us(_ag_fn(mesh, impl), *ag_args):.1f}"
-           f" per-shard {AG_SHAPE} mesh {dict(mesh.shape)}")
-      emit(f"TIME matmul_reduce_scatter {impl}"
-           f" {back_to_back_us(_rs_fn(mesh, impl), *rs_args):.1f} per-shard"
-           f" {(AG_SHAPE[0] * mesh.shape['tp'], AG_SHAPE[1] // mesh.shape['tp'], AG_SHAPE[2])}"
-           f" mesh {dict(mesh.shape)}")
-      emit(f"TIME flash_decode {impl} {back_to_back_us(_decode_fn(mesh, impl), *dec_args):.1f}"
-           f" per-shard {DECODE_SHAPE} mesh {dict(mesh.shape)}")
-    # XLA's barrier or not: the kernels with the in-kernel handshake, each
-    # checked once against xla_bsp first.
+    contenders = {}
+    for each in (impl, "xla_bsp"):
+      contenders["all_gather_matmul", each] = _ag_fn(mesh, each), ag_args
+      contenders["matmul_reduce_scatter", each] = _rs_fn(mesh, each), rs_args
+      contenders["flash_decode", each] = _decode_fn(mesh, each), dec_args
     for op, fn, entry_config, args in (
         ("all_gather_matmul", _ag_fn, _ag_entry_config, ag_args),
         ("matmul_reduce_scatter", _rs_fn, _rs_entry_config, rs_args)):
       entry_fn = fn(mesh, "pallas", entry_config(mesh))
       assert_elementwise(gather(entry_fn(*args)), gather(fn(mesh, "xla_bsp")(*args)),
                          f"{op} pallas+entry")
-      emit(f"TIME {op} pallas+entry {back_to_back_us(entry_fn, *args):.1f} mesh"
-           f" {dict(mesh.shape)}")
+      contenders[op, "pallas+entry"] = entry_fn, args
+    times = {key: [] for key in contenders}
+    for _ in range(TIME_ROUNDS):
+      for key, (fn, args) in contenders.items():
+        times[key].append(back_to_back_us(fn, *args, calls=TIME_CALLS))
+  for (op, label), us in times.items():
+    emit(f"TIME {op} {label} {np.median(us):.1f} {min(us):.1f} {max(us):.1f}")
 
 
 def scenario_gpu_tp_inside(impl: str = "pallas"):

@@ -617,7 +617,6 @@ def _entry_config(send: str, m_shard: int, k: int, n_shard: int, d: int):
 
 
 @TIMEOUT
-@pytest.mark.experimental
 @pytest.mark.parametrize("send", ["forward", "ring", "push", "whole"])
 def test_entry_back_to_back_and_in_a_scan(send):
   """config.entry (no XLA barrier; the in-kernel handshake): 5 unblocked calls

@@ -1,6 +1,7 @@
 """Which implementation runs, and why: explain_* and the DEBUG log."""
 
 import dataclasses
+import importlib
 import functools
 import json
 import logging
@@ -252,14 +253,20 @@ def _decode_shapes(b, s_shard, hq=64, hkv=8, dh=128):
   return S(b, hq, dh), kv, kv, S(b, dtype=jnp.int32)
 
 
-@pytest.mark.parametrize("d,b,impl", [(4, 1, "pallas_bsp"), (4, 8, "pallas"), (2, 1, "pallas"),
-                                      (8, 1, "pallas_bsp")])
-def test_auto_takes_the_fused_decode_only_where_measured_faster(d, b, impl, monkeypatch, tmp_path):
-  """Without a table entry: at D >= 3 with few (sequence, KV head) pairs the
-  fused kernel was measured slower than the Triton kernel + all-gather +
-  merge, which "auto" then takes, saying why; named, the kernel runs."""
+_H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("kind,d,b,impl", [
+    (_H100, 4, 1, "pallas_bsp"), (_H100, 4, 8, "pallas"), (_H100, 2, 1, "pallas"),
+    (_H100, 8, 1, "pallas_bsp"), ("NVIDIA H200", 4, 1, "pallas"), ("NVIDIA H200", 8, 1, "pallas")])
+def test_auto_takes_the_fused_decode_only_where_measured_faster(kind, d, b, impl, monkeypatch,
+                                                                 tmp_path):
+  """Without a table entry: on H100s at D >= 3 with few (sequence, KV head)
+  pairs the fused kernel was measured slower than the Triton kernel +
+  all-gather + merge, which "auto" then takes, saying why; on H200s the
+  fused kernel was ahead there; named, the kernel runs."""
   from jax_overlap import tuned  # pylint: disable=import-outside-toplevel
-  _as_on_hopper(monkeypatch)
+  _as_on_hopper(monkeypatch, kind)
   monkeypatch.setattr(tuned, "DATA_DIR", tmp_path)  # no tables
   tuned.load.cache_clear()
   try:
@@ -267,7 +274,7 @@ def test_auto_takes_the_fused_decode_only_where_measured_faster(d, b, impl, monk
     choice = jax_overlap.explain_flash_decode(*args, axis_size=d)
     assert choice.impl == impl
     if impl == "pallas_bsp":
-      assert "(sequence, KV head) pairs" in dict(choice.rejected)["pallas"]
+      assert "H100s at D >= 3" in dict(choice.rejected)["pallas"]
     assert jax_overlap.explain_flash_decode(*args, axis_size=d, impl="pallas").impl == "pallas"
   finally:
     tuned.load.cache_clear()
@@ -277,12 +284,13 @@ def test_auto_takes_the_fused_decode_only_where_measured_faster(d, b, impl, monk
 def test_auto_follows_the_decode_table_over_all_three_impls(winner, monkeypatch, tmp_path):
   """A flash_decode_auto.json entry decides between the fused kernel, the
   Triton BSP pipeline and XLA for its exact problem, against the rule (which
-  gives pallas_bsp at D = 4, B = 1); the rejected impls name the table."""
+  gives pallas_bsp on H100s at D = 4, B = 1); the rejected impls name the
+  table."""
   from jax_overlap import tuned  # pylint: disable=import-outside-toplevel
-  _as_on_hopper(monkeypatch)
+  _as_on_hopper(monkeypatch, _H100)
   monkeypatch.setattr(tuned, "DATA_DIR", tmp_path)
   tuned.load.cache_clear()
-  path = tuned.table_path("Test GPU", "flash_decode_auto")
+  path = tuned.table_path(_H100, "flash_decode_auto")
   path.parent.mkdir(parents=True)
   key = tuned.decode_key(4, 1, 64, 8, 128, 8192, BF16)
   assert key == "D=4 b=1 hq=64 hkv=8 dh=128 s=8192 bfloat16"
@@ -362,3 +370,26 @@ def test_auto_keeps_the_kernels_out_of_multi_process_jobs(explain, args, monkeyp
   assert choice.impl != "pallas"
   assert dict(choice.rejected)["pallas"] == dispatch.MULTI_PROCESS_REASON
   assert explain(*args, axis_size=2, impl="pallas").impl == "pallas"
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, monkeypatch):
+  """In a multi-process job the matmul kernels' default config skips XLA's
+  barrier for the in-kernel handshake (`entry`: the barrier across processes
+  cost ~1 ms per call), not experimental at D = 2 and 4; in one process, and
+  with the caller's own config, nothing changes."""
+  module = importlib.import_module(f"jax_overlap.{op}")
+  kernel = importlib.import_module(f"pallas_kernels.{op}")
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: _H100)
+  bind = ((lambda config: module._bind(S(1024, 4096), S(4096, 4096), 4, config, False))
+          if op == "all_gather_matmul" else
+          (lambda config: module._bind(S(4096, 1024), S(1024, 4096), 4, False, config, False)))
+  alone = module._kernel_config(bind(None))
+  assert not alone.entry
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert module._kernel_config(bind(None)) == dataclasses.replace(alone, entry=True)
+  for d in (2, 4):
+    assert kernel.experimental_reason(dataclasses.replace(alone, entry=True), axis_size=d) is None
+  assert module._kernel_config(bind(alone)) is alone

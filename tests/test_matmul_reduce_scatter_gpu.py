@@ -339,7 +339,6 @@ def test_gradients_match_the_xla_path(shape, w_transposed):
 # --- entry: the devices meet inside the kernel, not at XLA's barrier ---------------
 
 
-@pytest.mark.experimental
 @pytest.mark.parametrize("design", ["default", "plain", "whole_rows"])
 def test_entry_back_to_back_and_in_a_scan(design):
   """config.entry (no XLA barrier; the in-kernel handshake): 5 unblocked calls

@@ -550,7 +550,8 @@ def test_a_tile_store_of_rows_needs_the_warpgroups_side_by_side():
 def test_entry_meets_the_peers_inside_the_kernel(d, rows, k, design):
   """config.entry: no XLA barrier before the launch and one spin over every
   peer's marker in the kernel (drip, drip + add_all at D = 4, plain,
-  whole_rows); without it, XLA's barrier and no spin. Experimental."""
+  whole_rows); without it, XLA's barrier and no spin. Experimental at D
+  other than 1, 2 and 4 (not yet run on GPUs there)."""
   n = 8192
   mesh = jax.make_mesh((d,), ("x",))
   base = {"default": rs.default_config, "plain": rs.base_config,
@@ -563,7 +564,9 @@ def test_entry_meets_the_peers_inside_the_kernel(d, rows, k, design):
   for meet in (True, False):
     config = dataclasses.replace(base, entry=meet)
     assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
-    assert (rs.experimental_reason(config, axis_size=d) is not None) == meet
+    assert rs.experimental_reason(config, axis_size=d) is None
+    if design != "whole_rows":  # whole_rows is experimental at D = 8 itself
+      assert (rs.experimental_reason(config, axis_size=8) is not None) == meet
     body = lambda x, w, config=config: rs.matmul_reduce_scatter(
         x, w, axis_name="x", config=config, num_sms=132)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P(None, "x"), jax.P("x")),

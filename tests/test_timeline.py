@@ -1,6 +1,7 @@
 """benchmarks.timeline: GPU planes and stream lines read from a profile,
 per-GPU summaries, per-launch medians; a real trace on CPU has no GPU plane."""
 
+import dataclasses
 import types
 
 from absl import flags
@@ -32,7 +33,7 @@ PROFILE = types.SimpleNamespace(planes=[
     _plane("/device:GPU:1", [
         ("Stream #7(Compute)", [_event(AG, 0, 12e3), _event(AG, 20e3, 28e3),
                                 _event(AG, 100e3, 12e3), _event(AG, 120e3, 28e3)]),
-        ("Stream #9(Collective)", [_event(NCCL, 50e3, 25e3), _event(NCCL, 150e3, 25e3)]),
+        ("Stream #9(Collective)", [_event(NCCL, 40e3, 25e3), _event(NCCL, 150e3, 25e3)]),
         ("XLA Ops", [_event("fusion", 0, 1e6)])]),
     _plane("/device:GPU:0", [
         ("Stream #7(Compute)", [_event(AG, 0, 10e3), _event(AG, 20e3, 30e3),
@@ -55,6 +56,9 @@ def test_summaries_show_which_gpu_waits():
   assert summary[1].by_category_ms == {"all_gather_matmul (pallas)": 0.04, "nccl": 0.025}
   assert summary[1].busy_ms == pytest.approx(0.065)
   assert summary[1].span_ms == pytest.approx(0.0875)  # 0 to 175 µs over 2 calls
+  # NCCL at 40-65 µs overlaps the AG kernel at 20-48 µs by 8 µs: counted once.
+  assert summary[1].covered_ms == pytest.approx(0.061)
+  assert summary[0].covered_ms == summary[0].busy_ms  # one stream
 
 
 def test_each_launch_gets_its_median_over_the_calls():
@@ -67,13 +71,17 @@ def test_each_launch_gets_its_median_over_the_calls():
 
 def test_the_benchmark_prints_where_gpus_differ():
   record = {"timeline": {"devices": {
-      gpu: {"busy_ms": s.busy_ms, "span_ms": s.span_ms, "by_category_ms": s.by_category_ms}
+      gpu: dataclasses.asdict(s)
       for gpu, s in timeline.summarize(timeline.device_launches(PROFILE), calls=2,
                                        category=bench.category).items()}}}
   lines = bench.timeline_lines(record)
-  assert lines[0].startswith("timeline per GPU, ms per call (busy / span): 0: 0.04 / ")
+  assert lines[0].startswith(
+      "timeline per GPU, ms per call (busy / covered / span): 0: 0.04 / 0.04 / 0.08, 1: 0.07 /"
+      " 0.06 / 0.09")
   assert lines[1] == "  nccl: 0.01 0.03 (spread 0.02)"  # the largest spread first
   assert bench.timeline_lines({}) == []
+  assert bench.span_ms(record) == pytest.approx(0.0875)  # the slower GPU
+  assert bench.span_ms({"timeline": {"calls": 1, "error": "no trace"}}) is None
 
 
 def test_a_cpu_trace_has_no_gpu_plane():
