@@ -53,6 +53,13 @@ def ours(impl: str, explain: Callable[[str], object], build: Callable[[str], run
   return runner.Case(impl, "ours", make)
 
 
+# Why this baseline's result can be wrong: XLA's, not the benchmark's (a plain
+# jnp.dot, checked against float64 in a process per flag set).
+WINDOWED_EINSUM_BUG = ("XLA's windowed einsum computed a wrong product at D = 4, rel. error 1.31, and a"
+                       " right one at D = 2, on 4 H200s with jax 0.11.2; reproduction: python -m"
+                       " benchmarks.windowed_einsum_check")
+
+
 def windowed_einsum(body, mesh, in_specs, out_spec, args) -> runner.Case:
   """XLA's windowed-einsum collective matmul of the global-view `body(*args)`.
 
@@ -67,7 +74,7 @@ def windowed_einsum(body, mesh, in_specs, out_spec, args) -> runner.Case:
       raise runner.Skip(f"needs XLA_FLAGS {' '.join(missing)} in its own process"
                         f" (--only={WINDOWED_EINSUM}).")
     return runner.Built(spmd.global_view(body, mesh, in_specs, out_spec), args,
-                        {"xla_flags": WINDOWED_EINSUM_FLAGS})
+                        {"xla_flags": WINDOWED_EINSUM_FLAGS, "known_mismatch": WINDOWED_EINSUM_BUG})
   return runner.Case(WINDOWED_EINSUM, "baseline", make)
 
 

@@ -221,7 +221,8 @@ def _run_case(case: Case, shape, op: OpSpec, d: int, floor: harness.Floor,
     return Record(status="failed", reason=_error_text("run", e), info=built.info, **base), None
   warnings = harness.suspicions(timing, floor)
   if rel_error is not None and not rel_error <= TOLERANCE:
-    warnings += (f"MISMATCH err {rel_error:.1e} > {TOLERANCE:.0e}",)
+    known = built.info.get("known_mismatch")
+    warnings += (f"MISMATCH err {rel_error:.1e} > {TOLERANCE:.0e}" + (f" ({known})" if known else ""),)
   rate = lambda us: None if us is None else op.throughput(shape, d, us)
   return Record(
       status="ok", timing=timing, rel_error=rel_error,

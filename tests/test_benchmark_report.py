@@ -156,3 +156,22 @@ def test_a_case_that_does_part_of_the_op_is_judged_by_its_own_floor():
     judged[name], _ = runner._run_case(case, "s1", op, 1, one_second, None, iterations=2)  # pylint: disable=protected-access
   assert "HARNESS BUG? dispatch<floor" in judged["op"].warnings
   assert judged["own"].floor == harness.Floor(0, 0, 0) and not judged["own"].warnings
+
+
+def test_a_wrong_result_is_flagged_with_the_known_cause_if_any():
+  """A checked case whose output differs from the reference gets a MISMATCH
+  warning; a case that names a known cause (XLA's windowed einsum at D = 4)
+  carries it in the warning; a right result gets none."""
+  op = types.SimpleNamespace(throughput=lambda shape, d, us: 1.0)
+  floor = harness.Floor(0, 0, 0)
+  x = jnp.ones(4)
+  warnings = {}
+  for name, info, offset in (("right", {}, 0.0), ("wrong", {}, 1.0),
+                             ("known", {"known_mismatch": "XLA's bug"}, 1.0)):
+    build = lambda info=info, offset=offset: runner.Built(jax.jit(lambda x: x + offset), (x,), info)
+    record, _ = runner._run_case(runner.Case(name, "baseline", build), "s1", op, 1, floor, x,  # pylint: disable=protected-access
+                                 iterations=2)
+    warnings[name] = [w for w in record.warnings if "MISMATCH" in w]
+  assert warnings["right"] == []
+  assert warnings["wrong"] == [f"MISMATCH err 1.0e+00 > {runner.TOLERANCE:.0e}"]
+  assert warnings["known"] == [f"MISMATCH err 1.0e+00 > {runner.TOLERANCE:.0e} (XLA's bug)"]
