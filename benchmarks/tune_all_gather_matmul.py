@@ -44,20 +44,23 @@ def candidates(m_shard: int, k: int, n_shard: int, dtype, *, axis_size: int,
   """Configs the kernel accepts for this problem, the heuristic's first.
 
   Tiles: warpgroup tiles {64, 128} x {64, 128, 256}, split along M or N,
-  3-5 stages; each with send "forward" (in one strip, and in the heuristic's
-  strips where it has them) and "push" (all blocks, and the heuristic's
+  3-5 stages; each with send "ring" at D >= 3 (the design that won there,
+  AG v19-v20) and "forward" (each in one strip, and in the heuristic's
+  strips where it has them), and "push" (all blocks, and the heuristic's
   pusher count where it has one). Larger tiles and 4 stages come first: under
   a time budget they are the likeliest winners at large shapes.
   """
   default = ag_kernel.default_config(m_shard, k, n_shard, dtype, axis_size=axis_size,
                                      num_sms=num_sms)
   found = [default]
+  sends = ("ring", "forward") if axis_size >= 3 else ("forward",)
   for tile_m, tile_n, split, stages in itertools.product(
       (128, 64), (256, 128, 64), ("n", "m"), (4, 3, 5)):
     tiles = gemm_core.GemmTiles(tile_m=tile_m, tile_n=tile_n, stages=stages, wg_split=split,
                                 epi_tile_n=min(64, tile_n))
-    for send, pushers, strip in (("forward", None, default.strip_chunks), ("forward", None, None),
-                                 ("push", None, None), ("push", default.pushers, None)):
+    for send, pushers, strip in (
+        *((send, None, strip) for send in sends for strip in (default.strip_chunks, None)),
+        ("push", None, None), ("push", default.pushers, None)):
       config = ag_kernel.AllGatherMatmulConfig(tiles, send, pushers, strip)
       if config not in found and ag_kernel.unsupported_reason(
           m_shard, k, n_shard, dtype, config, axis_size=axis_size) is None:

@@ -238,19 +238,53 @@ VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": wit
             "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2)}
 
 
+# whole_rows' K splits trade the weight's streaming from HBM (more items keep
+# more SMs streaming it) against the float32 partials' exchange (each split
+# sends its own [span, N] partial): modelled with HBM at ~4 TB/s shared by
+# the SMs that have an item in a wave, and the TMA stores into peers at
+# ~350 GB/s per device (the NVLink rate measured: benchmarks/NOTES.md, "What
+# one SM's TMA stores to the peer carry").
+_WHOLE_HBM_BYTES_PER_US = 4.0e6
+_WHOLE_LINK_BYTES_PER_US = 0.35e6
+
+
+def whole_rows_estimate_us(k_shard: int, n: int, itemsize: int, tiles: gemm_core.GemmTiles,
+                           splits: int, *, axis_size: int, num_sms: int) -> float:
+  """The model's time of a whole_rows call (µs): the weight's streaming or
+  the partials' exchange, whichever is longer (they overlap)."""
+  items = n // tiles.cta_n * splits
+  busy = items / (-(-items // num_sms) * num_sms)  # the share of SM slots with an item
+  stream = k_shard * n * itemsize / (_WHOLE_HBM_BYTES_PER_US * busy)
+  exchange = (splits * tiles.cta_m * n * 4 * (axis_size - 1) / axis_size
+              / _WHOLE_LINK_BYTES_PER_US)
+  return max(stream, exchange)
+
+
 def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
-                      num_sms: int) -> MatmulReduceScatterConfig | None:
+                      num_sms: int, fill_sms: bool = False
+                      ) -> MatmulReduceScatterConfig | None:
   """A `whole_rows` config for `rows` per device (None if the D row blocks
-  do not fit a 128-row tile): `gemm_core.whole_rows_tiles`, and the fewest K
-  splits that give every SM a tile (each split a whole number of K steps).
-  GPU-tested at D = 2 and 4 (`experimental_reason`)."""
+  do not fit a 128-row tile): `gemm_core.whole_rows_tiles`, and the K splits
+  (each a whole number of K steps) that `whole_rows_estimate_us` finds
+  fastest, the fewest of equals.
+
+  fill_sms: instead, the fewest splits that give every SM an item (RS v9's
+  rule, measured in session 30: at 16 rows per device it split K 2-8 ways,
+  6.3 MB of float32 partials per call per device at D = 4; kept for the side
+  by side until RS v11 is measured). GPU-tested at D = 2 and 4
+  (`experimental_reason`)."""
   span = gemm_core.whole_rows_span(rows, axis_size, max_span=_WHOLE_MAX_ROWS)
   tiles = gemm_core.whole_rows_tiles(span, n, dtype)
   if tiles is None or n % tiles.cta_n or k_shard % tiles.tile_k:
     return None
   n_tiles, k_steps = n // tiles.cta_n, k_shard // tiles.tile_k
-  splits = next((s for s in range(-(-num_sms // n_tiles), k_steps + 1) if k_steps % s == 0),
-                k_steps)
+  divisors = [s for s in range(1, k_steps + 1) if k_steps % s == 0]
+  if fill_sms:
+    splits = next((s for s in divisors if s * n_tiles >= num_sms), k_steps)
+  else:
+    itemsize = jnp.dtype(dtype).itemsize
+    splits = min(divisors, key=lambda s: (whole_rows_estimate_us(
+        k_shard, n, itemsize, tiles, s, axis_size=axis_size, num_sms=num_sms), s))
   return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
 
 

@@ -461,20 +461,45 @@ def test_whole_rows_partials_match_float64(d, index, rows, k, splits, tile_n, nu
       testkit.assert_matmul_close(out[owner], x[owner * rows:(owner + 1) * rows], w, BF16)
 
 
-@pytest.mark.parametrize("d,rows,k,n,splits", [
-    (2, 16, 14336, 8192, 4), (2, 32, 4096, 8192, 4), (4, 8, 7168, 8192, 4),
-    (4, 16, 26624 // 4, 16384, 2), (2, 64, 2048, 4096, 8), (8, 8, 4096, 8192, 4)])
-def test_whole_rows_config_gives_every_sm_an_item(d, rows, k, n, splits):
-  """The fewest K splits, each a whole number of K steps, that give the
-  column tiles x splits items at least one per SM (3 would not divide 224,
-  64 or 112 steps; 5-7 not 32)."""
+@pytest.mark.parametrize("d,rows,k,n,fill,splits", [
+    (2, 16, 14336, 8192, 4, 2), (2, 32, 4096, 8192, 4, 2), (4, 8, 7168, 8192, 4, 2),
+    (4, 16, 26624 // 4, 16384, 2, 1), (2, 64, 2048, 4096, 8, 2), (8, 8, 4096, 8192, 4, 2),
+    (4, 16, 2048, 8192, 4, 2)])
+def test_whole_rows_config_splits_k_where_the_model_is_fastest(d, rows, k, n, fill, splits):
+  """The K splits (whole K steps each) of the least modelled time, the
+  fewest of equals: one split per column tile where that already keeps ~all
+  SMs streaming w (128 tiles of 16384 columns), else two (64 tiles), not the
+  4-8 that fill_sms (the fewest giving every SM an item: 3 would not divide
+  224, 64 or 112 steps; 5-7 not 32) takes, each sending its float32 partial."""
   config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
-  assert config.whole_rows and config.k_splits == splits, config
-  assert (n // config.tiles.cta_n) * splits >= 132
-  assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
-  # GPU-tested at D = 2 and 4 only (session 30).
-  reason = rs.experimental_reason(config, axis_size=d)
-  assert (reason is None) == (d in (2, 4)), reason
+  filled = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132, fill_sms=True)
+  assert config.whole_rows and (config.k_splits, filled.k_splits) == (splits, fill), config
+  assert (n // filled.tiles.cta_n) * fill >= 132 and filled.tiles == config.tiles
+  estimate = lambda s: rs.whole_rows_estimate_us(k, n, 2, config.tiles, s, axis_size=d,
+                                                 num_sms=132)
+  k_steps = k // config.tiles.tile_k
+  assert all(estimate(splits) <= estimate(s) for s in range(1, k_steps + 1) if k_steps % s == 0)
+  assert estimate(splits) < estimate(fill) or splits < fill
+  for c in (config, filled):
+    assert rs.unsupported_reason(rows, k, n, BF16, c, axis_size=d) is None
+    # GPU-tested at D = 2 and 4 only (session 30).
+    reason = rs.experimental_reason(c, axis_size=d)
+    assert (reason is None) == (d in (2, 4)), reason
+
+
+def test_whole_rows_estimate_weighs_streaming_against_the_exchange():
+  """More splits keep more SMs streaming w until every SM has an item, and
+  send one more float32 partial each; the model takes the longer of the two."""
+  tiles = rs.whole_rows_config(16, 2048, 8192, BF16, axis_size=4, num_sms=132).tiles
+  assert (tiles.cta_m, tiles.cta_n) == (64, 128)
+  estimate = lambda s, d=4: rs.whole_rows_estimate_us(2048, 8192, 2, tiles, s, axis_size=d,
+                                                      num_sms=132)
+  stream_64_items = 2048 * 8192 * 2 / (rs._WHOLE_HBM_BYTES_PER_US * 64 / 132)  # pylint: disable=protected-access
+  exchange_4 = 4 * 64 * 8192 * 4 * 3 / 4 / rs._WHOLE_LINK_BYTES_PER_US  # pylint: disable=protected-access
+  assert estimate(1) == pytest.approx(stream_64_items)  # 64 items on 132 SMs
+  assert estimate(4) == pytest.approx(exchange_4)  # 256 items: the exchange is longer
+  assert estimate(2) < min(estimate(1), estimate(4))
+  assert estimate(4, d=2) < estimate(4)  # half the partial stays home at D = 2
 
 
 @pytest.mark.parametrize("d,rows,k,n,whole", [

@@ -113,6 +113,18 @@ def test_tuner_candidates_are_valid_distinct_and_start_with_the_heuristic(m, k, 
   assert any(c.whole_rows for c in found) == (2 * m <= 256), m
 
 
+def test_tuner_candidates_at_four_devices_include_the_ring():
+  """At D >= 3 the ring (the design that won there) is tried for every tile
+  config, in the heuristic's strips and in one strip, before forward and push."""
+  found = tuner.candidates(2048, 8192, 2560, BF16, axis_size=4, num_sms=132)
+  assert found[0].send == "ring"  # the heuristic's, from 1024 rows per device
+  rings = [c for c in found if c.send == "ring"]
+  assert len({c.tiles for c in rings}) > 10 and {c.strip_chunks for c in rings} >= {None}
+  assert {c.send for c in found} == {"ring", "forward", "push"}
+  for config in found:
+    assert ag_kernel.unsupported_reason(2048, 8192, 2560, BF16, config, axis_size=4) is None
+
+
 class _Kernel:
   """A stand-in for a jitted candidate: callable, named, hashable by identity."""
 
