@@ -58,6 +58,16 @@ the first one's store (at D > 2 with few waves per step that wait is a whole
 tile: the first sender announces a tile one tile late). The own tiles still
 wait for the D - 1 peers' partials, so that the output is complete on exit.
 
+With `config.interleave` (add_all only; experimental, RS v12), tile number
+lin computes step lin % D instead of lin // (tiles per step): the own tiles
+run among the peers' all along, so the partials leave at (D - 1) / D of the
+rate at which the tiles produce them instead of at the whole rate for
+(D - 1) / D of the call (at K_shard 2048 that whole rate is above what
+NVLink takes: benchmarks/NOTES.md, RS v12). Since every partial is added,
+no own tile waits; one warpgroup of block 0 waits for all the peers' halves
+(one count) after the block's own announcements, so the output is complete
+on exit.
+
 Designs measured and dropped (benchmarks/NOTES.md, RS v2-v5): the tile
 staged whole in shared memory under one store (`drip` was faster at every
 measured shape), sender blocks forwarding partials staged in HBM (a gain at
@@ -66,7 +76,8 @@ barrier (slower everywhere).
 
 Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
 zeroing, which the zeroer blocks do before their first tile); later peer tiles wait
-only for step-0 tiles' signals; own tiles wait only for peer tiles' signals; a
+only for step-0 tiles' signals; own tiles wait only for peer tiles' signals (with
+interleave for nothing; block 0's last wait comes after its own announcements); a
 block issues its pending signal before anything it waits for, and every
 block of the persistent grid (one per SM, at most the SM count) is resident
 at once. Every signal and every store into a device is awaited by that device
@@ -130,6 +141,12 @@ class MatmulReduceScatterConfig:
       row block of each K split) is reduce-added in float32 into its owner's
       output, zeroed first.
     k_splits: with whole_rows, the K ranges of each column strip.
+    interleave: with add_all, the steps' tiles interleaved (tile number lin
+      computes step lin % D), so the own tiles run among the peers' instead
+      of last: the partials leave at (D - 1) / D of the compute's output rate
+      all along, not at the whole rate for (D - 1) / D of the call, and no own
+      tile waits for the peers' partials (one warpgroup of block 0 waits for
+      all of them after its tiles). Experimental: RS v12, not yet run on GPUs.
     entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
       handshake, run by block 0's first warpgroup at the start; every
       warpgroup waits for it before its first write into a peer: a zeroer
@@ -146,6 +163,7 @@ class MatmulReduceScatterConfig:
   whole_rows: bool = False
   k_splits: int = 1
   entry: bool = False
+  interleave: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -235,7 +253,9 @@ def with_drip(config: MatmulReduceScatterConfig, announce_lag: int = 1
 VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": with_drip,
             "drip_add_all": lambda config: with_drip(with_add_all(config)),
             "drip_lag2": lambda config: with_drip(config, announce_lag=2),
-            "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2)}
+            "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2),
+            "drip_add_all_interleave": lambda config: dataclasses.replace(
+                with_drip(with_add_all(config)), interleave=True)}
 
 
 # whole_rows' K splits trade the weight's streaming from HBM (more items keep
@@ -309,6 +329,9 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.announce_lag != 1:
     return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
+  if config.interleave:
+    return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
+            " GPUs (benchmarks/NOTES.md, RS v12).")
   return None
 
 
@@ -361,9 +384,10 @@ def _whole_rows_reason(rows: int, k_shard: int, n: int, itemsize: int,
   t = config.tiles
   if axis_size < 2:
     return "config.whole_rows needs an axis of 2 or more devices."
-  if config.add_all or config.drip or config.announce_lag != 1 or config.strip_chunks:
-    return ("config.whole_rows takes no add_all, drip, announce_lag or strip_chunks (it reduce-adds"
-            " every partial itself).")
+  if (config.add_all or config.drip or config.announce_lag != 1 or config.strip_chunks
+      or config.interleave):
+    return ("config.whole_rows takes no add_all, drip, announce_lag, strip_chunks or interleave"
+            " (it reduce-adds every partial itself).")
   share = t.cta_m // axis_size
   if (t.wg_split != "n" or t.cta_m > _WHOLE_MAX_ROWS or t.cta_m % axis_size or share < rows
       or share % 8):
@@ -397,6 +421,9 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
   if config.announce_lag == 2 and _late_granules(k_shard // t.tile_k, t):
     return (f"config.announce_lag=2 needs every granule sent inside the next K loop: K_shard ="
             f" {k_shard} has too few K steps for {t.epi_slots} granules; use announce_lag=1.")
+  if config.interleave and not (config.add_all and config.announce_lag == 1):
+    return ("config.interleave needs add_all (no own tile may wait for the peers' partials) and"
+            f" announce_lag=1; got add_all={config.add_all}, announce_lag={config.announce_lag}.")
   if config.drip and t.epi_slots != (t.tile_m // t.epi_tile_m) * (t.tile_n // t.epi_tile_n):
     return ("config.drip needs one epilogue slot per granule (tiles.epi_slots = granules per"
             " warpgroup tile): build the config with `with_drip`.")
@@ -494,6 +521,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   # drip also runs stand-alone, into the local buffer by step (CPU tests).
   drip = config.drip and d > 1
   lag = config.announce_lag if drip else 1
+  # interleave also runs stand-alone (the schedule's CPU tests).
+  interleave = config.interleave and d > 1
   grid = min(num_sms, total)
   zeroers = _zeroers(total, grid)
   meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
@@ -504,7 +533,9 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     sm = lax.axis_index("sm")
     peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
     if remote:
-      landed = pl.get_global(plgpu.SemaphoreType.REGULAR((per_step, 2)))
+      # landed[t, wg]: the peers' halves of own tile t; interleaved, one count
+      # of every peer half, awaited once at the end.
+      landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,) if interleave else (per_step, 2)))
       first_in = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, per_step, 2)))
                   if d > 2 and not add_all else None)
       # ready[o]: how many of device o's zeroing warpgroups (2 per zeroer
@@ -513,7 +544,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
-      step, t = lin // per_step, lin % per_step
+      step, t = (lin % d, lin // d) if interleave else (lin // per_step, lin % per_step)
       chunk, n_idx, _ = gemm_core.strip_position(t, m_chunks, n_tiles, config.strip_chunks)
       return step, t, chunk, n_idx
 
@@ -532,9 +563,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       @jax.named_scope("signal")
       def _():
         plgpu.wait_smem_to_gmem(pending, wait_read_only=False)
+        sem = landed.at[0] if interleave else landed.at[t, wg]
         for s in range(d - 1):
           pl.when(step == s)(lambda s=s: signals.signal(
-              plgpu.remote_ref(landed.at[t, wg], {axis_name: owner(s)}), "sys"))
+              plgpu.remote_ref(sem, {axis_name: owner(s)}), "sys"))
         if first_in is not None:
           @pl.when(step == 0)
           def _():
@@ -644,17 +676,18 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
             pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
             signals.async_proxy_fence()
         if ready is not None:  # once per owner: the block's first tile of each step
-          @pl.when((info.local_index == 0) | ((lin - grid) // per_step != step))
+          @pl.when((info.local_index == 0) | (place(lin - grid)[0] != step))
           @jax.named_scope("wait_ready")
           def _():
             pl.semaphore_wait(ready.at[owner(step)], 2 * zeroers, decrement=False)
             signals.async_proxy_fence()
 
-        @pl.when(step == d - 1)
-        @jax.named_scope("wait_peers")
-        def _():
-          pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
-          signals.async_proxy_fence()
+        if not interleave:
+          @pl.when(step == d - 1)
+          @jax.named_scope("wait_peers")
+          def _():
+            pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
+            signals.async_proxy_fence()
 
       own = gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add")
       # With drip a peer tile's epilogue only stages it (no store runs).
@@ -700,6 +733,11 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         pl.when((wg < 2) & (mine >= 2) & jnp.logical_not(waits(last)))(
             lambda: announce(last - grid))
       pl.when((wg < 2) & (mine > 0))(lambda: announce(last))
+      if interleave:  # after the block's own announcements: no two blocks wait on each other
+        @pl.when((sm == 0) & (wg == 0))
+        @jax.named_scope("wait_peers")
+        def _():
+          pl.semaphore_wait(landed.at[0], 2 * (d - 1) * per_step, decrement=False)
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)

@@ -308,18 +308,24 @@ def test_zero_fill_zeroes_exactly_the_tiles_handed_to_it(wg_split, tile_n, inter
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("d,index,wg_split,tile_n,rows,k,num_sms", [
-    (2, 1, "n", 128, 128, 128, 3),   # 2 K steps < 4 granules: the late granules after the loop
-    (3, 0, "n", 128, 100, 768, 4),   # 12 K steps: spacing 2, the blocks' phases differ; padded
-    (3, 2, "m", 128, 128, 384, 5),   # 6 K steps, spacing 1; blocks ending on a peer tile
-], ids=["D2-dev1-late", "D3-dev0-phases", "D3-dev2-split_m"])
+@pytest.mark.parametrize("d,index,wg_split,tile_n,rows,k,num_sms,interleave", [
+    (2, 1, "n", 128, 128, 128, 3, False),  # 2 K steps < 4 granules: the late granules after the loop
+    (3, 0, "n", 128, 100, 768, 4, False),  # 12 K steps: spacing 2, the blocks' phases differ; padded
+    (3, 2, "m", 128, 128, 384, 5, False),  # 6 K steps, spacing 1; blocks ending on a peer tile
+    (3, 1, "n", 128, 128, 384, 4, True),   # interleaved: blocks of one step, peer and own
+    (4, 3, "m", 128, 128, 256, 3, True),   # interleaved: each block cycles through the steps
+], ids=["D2-dev1-late", "D3-dev0-phases", "D3-dev2-split_m", "D3-interleave", "D4-interleave"])
 def test_drip_partials_match_float64_without_races(d, index, wg_split, tile_n, rows, k, num_sms,
-                                                   interpreter):
+                                                   interleave, interpreter):
   """drip stand-alone: every peer tile's granules reach its step's buffer
   from shared memory during the block's next K loop (or after it, or after
   the block's last tile), the own tiles through the epilogue; every step's
-  partial matches float64 and no slot is rewritten before its stores read it."""
+  partial matches float64 and no slot is rewritten before its stores read it.
+  With interleave (RS v12) the steps' tiles alternate, each block's peer and
+  own tiles mixed."""
   config = rs.with_drip(_config(tile_n, wg_split))
+  if interleave:
+    config = dataclasses.replace(rs.with_add_all(config), interleave=True)
   t = config.tiles
   core = gemm_core.TileMatmul(t, k, BF16, BF16)
   assert config.drip and t.epi_slots == core.num_granules == (t.tile_m // 64) * (t.tile_n // 64)
@@ -410,11 +416,42 @@ def test_bad_announce_lags_are_rejected(config, k, words):
   assert words in rs.unsupported_reason(128, k, 256, BF16, config)
 
 
-def test_only_the_announce_lag_variants_are_experimental():
+def test_only_the_unmeasured_variants_are_experimental():
   """Benchmarks and the GPU suite leave experimental variants out unless
   named; the measured ones stay in."""
-  assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {"drip_lag2",
-                                                                     "drip_add_all_lag2"}
+  assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {
+      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave"}
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_interleave_lowers_for_cuda_with_one_wait_for_the_peers(d):
+  """interleave (RS v12): the steps' tiles alternate, the own tiles wait
+  for no partial, and one warpgroup of block 0 waits once, after the block's
+  announcements, for every peer half (one semaphore count); it lowers for
+  CUDA at D = 2-4 and explain flags it."""
+  m, k, n = 512 * d, 2048, 4096
+  config = rs.VARIANTS["drip_add_all_interleave"](
+      rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132))
+  assert config.interleave and config.add_all and config.drip
+  assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  assert "interleave is experimental" in rs.experimental_reason(config, axis_size=d)
+  module = _cuda_module(config, m, k, n, d)
+  plain = _cuda_module(rs.VARIANTS["drip_add_all"](
+      rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132)), m, k, n, d)
+  assert "wait_ready" in module and "red.release.sys" in module
+  # The own tiles' per-tile wait ends with an async-proxy fence before the
+  # tile's reduce-store; interleaved, the one wait at the end has none.
+  assert "wait_peers/semaphore_wait" in module and "wait_peers/semaphore_wait" in plain
+  assert "wait_peers/inline_mgpu_p" in plain and "wait_peers/inline_mgpu_p" not in module
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(interleave=True), "interleave needs add_all"),
+    (dict(interleave=True, add_all=True, drip=True, announce_lag=2), "announce_lag=1"),
+])
+def test_interleave_needs_add_all_and_the_first_announce_lag(change, words):
+  config = dataclasses.replace(rs.with_drip(_config(128, "n")), **change)
+  assert words in rs.unsupported_reason(128, 4096, 256, BF16, config)
 
 
 # --- whole_rows: every owner's row block in one tile, K split -------------------------
