@@ -57,6 +57,10 @@ def _pallas_bsp_support(p: Problem) -> str | None:
       p.head_dim, p.s_shard, p.dtype)
 
 
+def _pallas_caveat(p: Problem) -> str | None:
+  return kernel.experimental_reason(_kernel_config(p))
+
+
 def _key(p: Problem) -> str:
   """The problem's key in the auto table."""
   return tuned.decode_key(p.axis_size, p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard,
@@ -94,7 +98,7 @@ def _few_pairs_rule(p: Problem) -> str | None:
 # (`tuned.auto_reason`) decides between all three for its exact problems.
 _OP = dispatch.Op(OP, {
     "pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
-        tuned.measured_first(OP, _key, _few_pairs_rule))),
+        tuned.measured_first(OP, _key, _few_pairs_rule)), _pallas_caveat),
     "pallas_bsp": dispatch.Impl(_pallas_bsp_support, tuned.measured_first(
         OP, _key, dispatch.always, impl="pallas_bsp")),
     "xla_bsp": dispatch.Impl()}, ("pallas", "pallas_bsp", "xla_bsp"))

@@ -105,11 +105,17 @@ class FlashDecodeConfig:
     stages: depth of the K/V shared-memory ring.
     combine_cols: output columns per phase-2 item (divides Dh, multiple of
       16): narrower spreads the merge of one tile over more blocks.
+    merge_all: a merge item waits for every source's partials, then folds
+      all D x splits of them in one pipeline, in device order, instead of
+      one pipeline per source (own first, each after its own wait): one
+      pipeline prologue on the critical path instead of D. Experimental
+      (decode v19): interpreter- and lowering-tested, not yet run on GPUs.
   """
   block_kv: int = 128
   splits: int = 1
   stages: int = 2
   combine_cols: int = 128
+  merge_all: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """The larger of the two phases' shared memory (they run one after the other)."""
@@ -121,12 +127,13 @@ class FlashDecodeConfig:
   def merge_ring(self, itemsize: int) -> tuple[int, int]:
     """(partials per step, stages) of the merge ring: a source's `splits`
     partials in as few steps as fit in shared memory (at most MERGE_BATCH
-    per step), two steps in flight."""
+    per step), two steps in flight (with merge_all the ring runs over D >= 2
+    sources' partials: always two)."""
     for batch in range(min(self.splits, MERGE_BATCH), 1, -1):
-      stages = min(2, self.splits // batch)
+      stages = 2 if self.merge_all else min(2, self.splits // batch)
       if not self.splits % batch and self._merge_bytes(batch, stages, itemsize) <= SMEM_BYTES:
         return batch, stages
-    return 1, min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: always fits
+    return 1, 2 if self.merge_all else min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: fits
 
   def _merge_bytes(self, batch: int, stages: int, itemsize: int) -> int:
     ring = stages * batch * ROWS * (self.combine_cols + LSE_MERGE_COLS) * 4
@@ -190,6 +197,14 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
   need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
   if need > SMEM_BYTES:
     return f"config {config} needs {need} bytes of shared memory, more than {SMEM_BYTES}."
+  return None
+
+
+def experimental_reason(config: FlashDecodeConfig) -> str | None:
+  """Why `config` is experimental (not yet run on GPUs), or None."""
+  if config.merge_all:
+    return ("config.merge_all is experimental: interpreter- and lowering-tested, not yet run on"
+            " GPUs (benchmarks/NOTES.md, decode v19).")
   return None
 
 
@@ -441,30 +456,44 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
             * lax.broadcast_in_dim(w, (ROWS, cols), [0]) for i, w in enumerate(weights)))
         return combine(carry, (acc, m, functools.reduce(operator.add, weights)))
 
-      def source(dev):
-        """The state of device dev's `splits` partials, once they have all
-        arrived; the same steps on every device."""
+      def wait_for(dev):
         if exchange:
           with jax.named_scope("wait_partials"):
             pl.semaphore_wait(ready.at[tile, dev], groups * splits, decrement=False)
-        slots = pl.ds(dev * splits, splits)
+
+      def fold(first: int, slots: int):
+        """The state of partial slots [first, first + slots), `batch` per step."""
         with jax.named_scope("fold"):
           return plgpu.emit_pipeline(
-              step, grid=(splits // batch,),
+              step, grid=(slots // batch,),
               in_specs=[plgpu.BlockSpec((batch, ROWS, cols), lambda p: (p, 0, 0)),
                         plgpu.BlockSpec((batch, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
-              max_concurrent_steps=merge_stages, init_carry=empty(),
-          )(recv_o.at[slots, tile_rows, tile_cols], recv_lse.at[slots, tile_rows])
+              max_concurrent_steps=min(merge_stages, slots // batch), init_carry=empty(),
+          )(recv_o.at[pl.ds(first, slots), tile_rows, tile_cols],
+            recv_lse.at[pl.ds(first, slots), tile_rows])
 
-      # This device's partials land first: merge them while the peers' are in
-      # flight. The sources are then combined in device order, this one's in
-      # its place, so that every device does the same arithmetic and the
-      # outputs agree bit for bit.
-      acc, _, l = own = source(me)
-      if d > 1:
-        before = lax.fori_loop(0, me, lambda dev, state: combine(state, source(dev)), empty())
-        acc, _, l = lax.fori_loop(me + 1, d, lambda dev, state: combine(state, source(dev)),
-                                  combine(before, own))
+      def source(dev):
+        """The state of device dev's `splits` partials, once they have all
+        arrived; the same steps on every device."""
+        wait_for(dev)
+        return fold(dev * splits, splits)
+
+      if config.merge_all and d > 1:
+        # Every source's partials, then one pipeline over all of them in
+        # device order: the same arithmetic on every device.
+        for dev in range(d):
+          wait_for(dev)
+        acc, _, l = fold(0, d * splits)
+      else:
+        # This device's partials land first: merge them while the peers' are
+        # in flight. The sources are then combined in device order, this
+        # one's in its place, so that every device does the same arithmetic
+        # and the outputs agree bit for bit.
+        acc, _, l = own = source(me)
+        if d > 1:
+          before = lax.fori_loop(0, me, lambda dev, state: combine(state, source(dev)), empty())
+          acc, _, l = lax.fori_loop(me + 1, d, lambda dev, state: combine(state, source(dev)),
+                                    combine(before, own))
       safe_l = jnp.where(l > 0, l, 1.0)  # a sequence of length 0 yields zeros
       out_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
       plgpu.commit_smem()

@@ -393,3 +393,17 @@ def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, mon
   for d in (2, 4):
     assert kernel.experimental_reason(dataclasses.replace(alone, entry=True), axis_size=d) is None
   assert module._kernel_config(bind(alone)) is alone
+
+
+def test_explain_marks_an_experimental_decode_config(monkeypatch):
+  """flash_decode's merge_all (decode v19, not yet run on GPUs) runs when
+  passed, and `explain` says it is experimental; the default carries no caveat."""
+  from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
+  _as_on_hopper(monkeypatch)
+  args = _decode_shapes(8, 4096)
+  default = fdk.default_config(8, 8, 64, 4096, 128, BF16, num_sms=132)
+  plain = jax_overlap.explain_flash_decode(*args, axis_size=2, impl="pallas", config=default)
+  merged = jax_overlap.explain_flash_decode(
+      *args, axis_size=2, impl="pallas", config=dataclasses.replace(default, merge_all=True))
+  assert (plain.impl, plain.caveat) == ("pallas", None)
+  assert merged.impl == "pallas" and "merge_all is experimental" in merged.caveat

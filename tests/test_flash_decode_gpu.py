@@ -11,6 +11,7 @@ decode steps in a Python loop on one jitted function, and the kernel beside
 another collective in one jit.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -120,6 +121,33 @@ def test_blocks_with_several_items():
   for _ in range(2):  # twice: the second call must not see the first one's signals
     outs = np.asarray(f(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC), put(lens, P())))
     _check_every_device(outs, want, case[4])
+
+
+@pytest.mark.experimental
+@pytest.mark.parametrize("case", CASES[:2] + CASES[4:], ids=_case_id)
+def test_merge_all_matches_float64_on_every_device_twice(case):
+  """config.merge_all (decode v19): every source's partials in one merge
+  pipeline; ragged lengths, every device's output (replicated bit for bit),
+  two calls (the second must not see the first one's signals)."""
+  from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
+  mesh = testkit.mesh_1d(D)
+  hq, hkv, dh, s_shard, dtype = case
+  q, k, v = _inputs(D, case, "merge_all")
+  lens = ragged_lens(D, s_shard)
+  config = dataclasses.replace(fdk.default_config(
+      len(lens), hkv, hq, s_shard, dh, dtype, num_sms=platform.num_sms()), merge_all=True)
+
+  def body(q, k, v, kv_lens):
+    return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl="pallas",
+                                    config=config)[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), KV_SPEC, KV_SPEC, P()),
+                            out_specs=P(AXIS)))
+  put = functools.partial(testkit.put, mesh)
+  want = reference.flash_decode(q, k, v, lens)
+  for _ in range(2):
+    outs = np.asarray(f(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC), put(lens, P())))
+    _check_every_device(outs, want, dtype)
 
 
 def test_auto_picks_the_kernel():

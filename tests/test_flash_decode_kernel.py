@@ -5,6 +5,8 @@ its CUDA lowering, exchange included, through `jax.export` (the Mosaic GPU
 compiler passes run; only the final PTX compile needs a GPU); its configs.
 The exchange itself runs in tests/test_flash_decode_gpu.py."""
 
+import dataclasses
+import itertools
 import math
 import zlib
 
@@ -52,7 +54,8 @@ def _reference(q, k, v, lens, scale) -> np.ndarray:
 # of 1, 2, 4 and 8 groups, the last one partly filled; q shorter and longer
 # than the 64-row window; Dh 64 and 128; lengths ending mid-block, at a block
 # edge, inside device 0's slice (device 1 empty), zero and full; empty splits;
-# no lengths at all; D = 1, 2 and 3.
+# no lengths at all; D = 1, 2 and 3; one merge pipeline per source, and one
+# over every source (merge_all).
 CASES = [
     (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64)),
     (3, 4, 4, 64, 128, 2, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
@@ -64,6 +67,11 @@ CASES = [
     (3, 48, 2, 64, 64, 2, (128, 64, 70), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
     # 8 splits of full-width merge rows: 2 partials per merge step, 4 steps.
     (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 8, 2, 128)),
+    # merge_all: every source's partials in one pipeline (D = 2 and 3; one
+    # split per source, and splits merged 2 per step across the sources).
+    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, merge_all=True)),
+    (1, 8, 2, 128, 1024, 2, (1500,), BF16,
+     fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True)),
 ]
 
 
@@ -93,7 +101,8 @@ def _own_slots(recv, index, splits):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}_D{c[5]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
+                         f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
@@ -126,23 +135,28 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
     assert out.shape == (b, hq, dh) and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), want,
                                atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
-    # Each device merges its own partials first, yet all do the same
-    # arithmetic: the output is replicated bit for bit.
+    # Each device merges its own partials first (or, with merge_all, every
+    # source's in device order), and all do the same arithmetic: the output
+    # is replicated bit for bit.
     outs.append(np.asarray(out))
     np.testing.assert_array_equal(outs[i], outs[0], err_msg=f"device {i} differs from device 0")
 
 
-@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total", [
-    (2, BF16, 128, 64, 8, 8192), (2, F16, 64, 32, 8, 8192), (2, BF16, 128, 8, 8, 8192),
-    (2, BF16, 128, 64, 1, 32768),  # 16 splits, merged 8 at a time
-    (4, BF16, 128, 64, 1, 32768), (3, BF16, 128, 64, 8, 3 * 4096)])
-def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total):
+@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,merge_all", [
+    (2, BF16, 128, 64, 8, 8192, False), (2, F16, 64, 32, 8, 8192, False),
+    (2, BF16, 128, 8, 8, 8192, False),
+    (2, BF16, 128, 64, 1, 32768, False),  # 16 splits, merged 8 at a time
+    (4, BF16, 128, 64, 1, 32768, False), (3, BF16, 128, 64, 8, 3 * 4096, False),
+    (4, BF16, 128, 64, 1, 32768, True), (4, BF16, 128, 64, 8, 8192, True)])
+def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, merge_all):
   """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2-4,
-  and the devices meet inside the kernel (entry.Entry's handshake: one spin
-  over every peer's marker), not at XLA's barrier."""
+  with one merge pipeline per source or one over all (merge_all), and the
+  devices meet inside the kernel (entry.Entry's handshake: one spin over
+  every peer's marker), not at XLA's barrier."""
   mesh = jax.make_mesh((d,), ("x",))
   hkv = 8
-  config = fd.default_config(b, hkv, hq, s_total // d, dh, dtype, num_sms=132)
+  config = dataclasses.replace(
+      fd.default_config(b, hkv, hq, s_total // d, dh, dtype, num_sms=132), merge_all=merge_all)
   assert fd.unsupported_reason(b, hq, hkv, dh, s_total // d, dtype, config) is None
   q_spec, kv_spec = jax.P(), jax.P(None, "x")
   f = jax.jit(jax.shard_map(
@@ -215,8 +229,12 @@ def test_merge_ring_takes_as_many_partials_per_step_as_fit():
   assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
   assert fd.FlashDecodeConfig(128, 7, 2, 128).merge_ring(itemsize) == (1, 2)
   assert fd.FlashDecodeConfig(128, 1, 2, 64).merge_ring(itemsize) == (1, 1)
-  for splits in range(1, 40):
-    config = fd.FlashDecodeConfig(128, splits, 2, 128)
+  # merge_all: the ring runs over D >= 2 sources, so always two steps in flight.
+  assert fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True).merge_ring(itemsize) == (2, 2)
+  assert fd.FlashDecodeConfig(128, 1, 2, 64, merge_all=True).merge_ring(itemsize) == (1, 2)
+  assert fd.FlashDecodeConfig(128, 8, 2, 16, merge_all=True).merge_ring(itemsize) == (8, 2)
+  for splits, merge_all in itertools.product(range(1, 40), (False, True)):
+    config = fd.FlashDecodeConfig(128, splits, 2, 128, merge_all=merge_all)
     batch, stages = config.merge_ring(itemsize)
     assert splits % batch == 0 and 1 <= stages <= 2
     assert config.smem_bytes(128, itemsize) <= fd.SMEM_BYTES
