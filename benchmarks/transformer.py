@@ -65,6 +65,7 @@ from benchmarks import runner  # pylint: disable=unused-import (its --iterations
 from benchmarks import spmd
 from benchmarks import timeline
 from jax_overlap import decode_bsp
+from jax_overlap import dispatch
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import flash_decode as fd_kernel
@@ -89,6 +90,10 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
     "decode_bsp_impl", "", "flash_decode impl of the bsp model; empty: pallas_bsp (the Triton"
     " local kernel, all-gather, merge) on GPUs, xla_bsp elsewhere.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
+    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`; the table compares fused"
+    " and bsp).")
 _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"
     " run one process each, so that memory one D fragmented or held never fails the next D's"
@@ -156,14 +161,24 @@ def breakdown_ms(kernels, devices: int) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
+  """A model variant: the collective impl, flash_decode's, and whether the
+  matmul kernels meet inside the kernel (`dispatch.meet_inside_kernels`)."""
   name: str
   impl: str
   decode_impl: str | None
+  entry: bool = False
 
 
 def variants() -> tuple[Variant, ...]:
+  """The --variants: fused (`auto`), bsp (the XLA paths, flash_decode on its
+  best BSP pipeline) and fused_entry (fused, the kernels meeting inside)."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
-  return (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode))
+  known = {v.name: v for v in (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
+                               Variant("fused_entry", "auto", None, entry=True))}
+  unknown = sorted(set(_VARIANTS.value) - set(known))
+  if unknown:
+    raise app.UsageError(f"--variants: unknown {unknown}; known: {sorted(known)}.")
+  return tuple(known[name] for name in _VARIANTS.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +324,13 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
   return result, jax.block_until_ready(args)
 
 
+def _compile(fn, variant: Variant, *args):
+  """fn lowered and compiled for `args`, traced inside the variant's
+  `dispatch.meet_inside_kernels` switch."""
+  with dispatch.meet_inside_kernels(variant.entry):
+    return fn.lower(*args).compile()
+
+
 def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   """Compiles, checks memory, runs and times one case; returns the record's
   figures. A training step donates the parameters: holder["params"] gets
@@ -328,15 +350,16 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
   tokens = lambda: jax.device_put(gen.integers(0, config.vocab, (b, s)).astype(np.int32),
                                   tokens_spec)
+  compile_ = lambda fn, *args: _compile(fn, v, *args)
   if case.step == "prefill":
     fn = jax.jit(functools.partial(transformer.prefill, cache_len=s, **common))
-    compiled = fn.lower(abstract_params, tok).compile()
+    compiled = compile_(fn, abstract_params, tok)
     info["memory"] = _check_memory(compiled, 0)
     return {**_time_stateless(compiled, (params, tokens()), iterations, d), "info": info}
   if case.step == "train":
     fn = jax.jit(functools.partial(transformer.train_step, learning_rate=LEARNING_RATE,
                                    **common), donate_argnums=(0,))
-    compiled = fn.lower(abstract_params, tok, tok).compile()
+    compiled = compile_(fn, abstract_params, tok, tok)
     info["memory"] = _check_memory(compiled, 0)
     figures, (holder["params"], _, _) = _time_threaded(
         compiled, (params, tokens(), tokens()), lambda a, out: (out[0], *a[1:]), iterations, d)
@@ -351,8 +374,8 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl, **common),
                donate_argnums=(2,))
-  compiled = fn.lower(abstract_params, jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec),
-                      cache_abstract).compile()
+  compiled = compile_(fn, abstract_params,
+                      jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec), cache_abstract)
   cache_bytes = 2 * layers * int(np.prod(shape)) * jnp.dtype(config.dtype).itemsize // d
   info["memory"] = _check_memory(compiled, cache_bytes)
   make_cache = jax.jit(
@@ -640,7 +663,7 @@ def main(argv) -> None:
           " the XLA paths, so fused and bsp are the same program.", flush=True)
   cases = [(m, d, step, b, s) for m in models for d in sizes
            for step, step_shapes in shapes.items() for b, s in step_shapes]
-  total, done, records = 2 * len(cases), 0, []
+  total, done, records = len(variants()) * len(cases), 0, []
   for model in models:
     base = transformer.MODELS[model]
     config = base if on_gpu else dataclasses.replace(base, dtype=jnp.float32)

@@ -15,6 +15,8 @@ on logger "jax_overlap" each time an op is traced.
 """
 
 from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import contextvars
 import dataclasses
 import logging
 
@@ -73,15 +75,33 @@ def single_process(rule: Support) -> Support:
   return check
 
 
+_MEET_INSIDE = contextvars.ContextVar("jax_overlap_meet_inside_kernels", default=False)
+
+
+@contextlib.contextmanager
+def meet_inside_kernels(enabled: bool = True):
+  """Inside the block, the matmul kernels' default configs take `entry` in
+  one process too (`for_this_job`). Trace-time, like JAX's config context
+  managers: it applies to what is traced (jitted) inside it. Experimental:
+  the switch that `benchmarks.transformer --variants=fused_entry` measures
+  in a model, where XLA's barrier kernels and the gaps around them took
+  2.6-2.8 ms of a 50 ms prefill at D = 4 (4 H200s, session 31)."""
+  token = _MEET_INSIDE.set(enabled)
+  try:
+    yield
+  finally:
+    _MEET_INSIDE.reset(token)
+
+
 def for_this_job(config):
   """A matmul kernel's default `config` (a frozen dataclass with an `entry`
   field) for this job: in a multi-process job the devices meet inside the
   kernel (`entry=True`), where XLA's barrier before each launch cost ~1 ms
   per call across processes (2 x 2 H200s, session 31: the all-gather matmul
   at 1024 x 4096 x 4096 per shard took 1095 µs with the barrier, 146-151
-  with the handshake, 166-178 in one process). A caller's own config is
-  never changed."""
-  if jax.process_count() > 1:
+  with the handshake, 166-178 in one process); in one process too inside
+  `meet_inside_kernels`. A caller's own config is never changed."""
+  if jax.process_count() > 1 or _MEET_INSIDE.get():
     return dataclasses.replace(config, entry=True)
   return config
 

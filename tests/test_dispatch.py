@@ -395,6 +395,26 @@ def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, mon
   assert module._kernel_config(bind(alone)) is alone
 
 
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
+  """Inside `dispatch.meet_inside_kernels()` the default config takes
+  `entry` in one process; outside it (and after it), it does not."""
+  module = importlib.import_module(f"jax_overlap.{op}")
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: _H100)
+  problem = (module._bind(S(1024, 4096), S(4096, 4096), 4, None, False)
+             if op == "all_gather_matmul" else
+             module._bind(S(4096, 1024), S(1024, 4096), 4, False, None, False))
+  assert not module._kernel_config(problem).entry
+  with dispatch.meet_inside_kernels():
+    assert module._kernel_config(problem).entry
+    with dispatch.meet_inside_kernels(False):
+      assert not module._kernel_config(problem).entry
+  assert not module._kernel_config(problem).entry
+
+
 def test_explain_marks_an_experimental_decode_config(monkeypatch):
   """flash_decode's merge_all (decode v19, not yet run on GPUs) runs when
   passed, and `explain` says it is experimental; the default carries no caveat."""

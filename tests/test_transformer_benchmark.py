@@ -4,6 +4,7 @@ the README's table."""
 
 import json
 
+from absl import app
 from absl import flags
 import jax
 import pytest
@@ -114,3 +115,13 @@ def test_each_axis_size_gets_the_other_arguments_as_they_are():
           "--steps=prefill", "--fresh_cache_example", "--iterations=5"]
   assert bench.passed_on(argv) == ["--quick", "--models=70b", "--steps=prefill",
                                    "--fresh_cache_example", "--iterations=5"]
+
+
+def test_variants_follow_the_flag_and_reject_unknown_names():
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--variants=fused,fused_entry,bsp"]):
+    names = [(v.name, v.impl, v.entry) for v in bench.variants()]
+  assert names == [("fused", "auto", False), ("fused_entry", "auto", True),
+                   ("bsp", "xla_bsp", False)]
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--variants=fused,fast"]):
+    with pytest.raises(app.UsageError, match="unknown.*fast"):
+      bench.variants()
