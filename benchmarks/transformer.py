@@ -91,7 +91,7 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
     " local kernel, all-gather, merge) on GPUs, xla_bsp elsewhere.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
-    "variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
+    "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`; the table compares fused"
     " and bsp).")
 _ONE_PROCESS = flags.DEFINE_bool(
@@ -170,14 +170,15 @@ class Variant:
 
 
 def variants() -> tuple[Variant, ...]:
-  """The --variants: fused (`auto`), bsp (the XLA paths, flash_decode on its
-  best BSP pipeline) and fused_entry (fused, the kernels meeting inside)."""
+  """The --model_variants: fused (`auto`), bsp (the XLA paths, flash_decode
+  on its best BSP pipeline) and fused_entry (fused, the kernels meeting
+  inside)."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
                                Variant("fused_entry", "auto", None, entry=True))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
   if unknown:
-    raise app.UsageError(f"--variants: unknown {unknown}; known: {sorted(known)}.")
+    raise app.UsageError(f"--model_variants: unknown {unknown}; known: {sorted(known)}.")
   return tuple(known[name] for name in _VARIANTS.value)
 
 

@@ -83,7 +83,7 @@ def meet_inside_kernels(enabled: bool = True):
   """Inside the block, the matmul kernels' default configs take `entry` in
   one process too (`for_this_job`). Trace-time, like JAX's config context
   managers: it applies to what is traced (jitted) inside it. Experimental:
-  the switch that `benchmarks.transformer --variants=fused_entry` measures
+  the switch that `benchmarks.transformer --model_variants=fused_entry` measures
   in a model, where XLA's barrier kernels and the gaps around them took
   2.6-2.8 ms of a 50 ms prefill at D = 4 (4 H200s, session 31)."""
   token = _MEET_INSIDE.set(enabled)

@@ -118,10 +118,10 @@ def test_each_axis_size_gets_the_other_arguments_as_they_are():
 
 
 def test_variants_follow_the_flag_and_reject_unknown_names():
-  with testkit.parsed_flags(flags.FLAGS, ["bench", "--variants=fused,fused_entry,bsp"]):
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fused_entry,bsp"]):
     names = [(v.name, v.impl, v.entry) for v in bench.variants()]
   assert names == [("fused", "auto", False), ("fused_entry", "auto", True),
                    ("bsp", "xla_bsp", False)]
-  with testkit.parsed_flags(flags.FLAGS, ["bench", "--variants=fused,fast"]):
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fast"]):
     with pytest.raises(app.UsageError, match="unknown.*fast"):
       bench.variants()
