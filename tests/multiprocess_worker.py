@@ -615,6 +615,17 @@ def scenario_gpu_tp_inside(impl: str = "pallas"):
     time_ops(mesh, impl)
 
 
+def scenario_gpu_mixed_loop():
+  """2 processes x 2 GPUs, "tp" inside each: the kernels (impl="pallas",
+  `entry` by default in a multi-process job) in loops that also hold XLA's
+  collectives (`check_gpu_layer_scan`), the case `scenario_gpu_tp_inside`
+  skips across processes: with XLA's barrier before each launch it failed in
+  NCCL's window registration or hung (sessions 28-29, BUILD.md)."""
+  mesh = tp_inside()
+  check("support", check_support)
+  check("layer_scan_pallas", check_gpu_layer_scan, mesh, "pallas")
+
+
 def scenario_gpu_code_on_cpu():
   """The GPU scenarios' checks on CPU devices with tiny shapes and the XLA
   paths (impl="auto" is XLA on CPU), so that their code runs in every test
@@ -704,6 +715,7 @@ SCENARIOS = {
     "gpu_tp_inside": scenario_gpu_tp_inside,
     "gpu_tp_inside_auto": functools.partial(scenario_gpu_tp_inside, "auto"),
     "gpu_tp_across": scenario_gpu_tp_across,
+    "gpu_mixed_loop": scenario_gpu_mixed_loop,
     "gpu_code_on_cpu": scenario_gpu_code_on_cpu,
 }
 

@@ -309,6 +309,29 @@ def test_gpu_kernels_tp_inside_processes():
       assert process[op, "pallas"] <= SLOWDOWN_BOUND * alone, (op, process[op, "pallas"], alone)
 
 
+MIXED_LOOP_TIMEOUT_S = 240
+
+
+@pytest.mark.gpu
+@pytest.mark.experimental
+@pytest.mark.timeout(MIXED_LOOP_TIMEOUT_S + 60, method="thread")
+def test_gpu_mixed_loop_of_kernels_and_xla_collectives_across_processes():
+  """2 x 2, the kernels in `lax.scan` loops that also hold XLA's collectives
+  (an all_gather_matmul feeding XLA's psum_scatter; flash_decode chained over
+  layers), against impl="xla_bsp", twice. With XLA's barrier before every
+  launch such a loop failed in NCCL's window registration ('Window address
+  must be suitably aligned') or hung (sessions 28-29, BUILD.md), which is why
+  `auto` keeps the kernels out of multi-process jobs; since session 31 the
+  matmul kernels meet inside the kernel there. If this passes, that reason
+  may go. Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`), and a
+  hang ends only at MIXED_LOOP_TIMEOUT_S."""
+  _gpus(4)
+  result = _run("gpu_mixed_loop", 2, MIXED_LOOP_TIMEOUT_S, gpus_per_process=2, env=_gpu_env())
+  print(result.text())
+  _assert_passed(result, "layer_scan_pallas")
+  _assert_clean(result)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
 def test_gpu_tp_across_processes():
