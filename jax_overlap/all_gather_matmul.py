@@ -58,7 +58,9 @@ def _pallas_support(p: Problem) -> str | None:
 
 
 def _pallas_caveat(p: Problem) -> str | None:
-  return kernel.experimental_reason(_kernel_config(p), axis_size=p.axis_size)
+  config = _kernel_config(p)
+  return (kernel.experimental_reason(config, axis_size=p.axis_size)
+          or dispatch.barrier_caveat(config))
 
 
 def _key(p: Problem) -> str:

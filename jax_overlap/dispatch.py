@@ -106,6 +106,16 @@ def for_this_job(config):
   return config
 
 
+def barrier_caveat(config) -> str | None:
+  """What `explain` says about a matmul kernel's `config` in this job: in a
+  multi-process job without `entry`, XLA's barrier before each launch (see
+  `for_this_job`), or None."""
+  if jax.process_count() > 1 and not config.entry:
+    return ("config.entry=False in a multi-process job: XLA's barrier before each launch cost ~1 ms"
+            " per call across processes; the default config takes entry=True there (BUILD.md).")
+  return None
+
+
 def always(problem) -> None:
   """Support check of the XLA paths: they run any validated problem."""
   del problem

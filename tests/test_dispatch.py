@@ -393,6 +393,15 @@ def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, mon
   for d in (2, 4):
     assert kernel.experimental_reason(dataclasses.replace(alone, entry=True), axis_size=d) is None
   assert module._kernel_config(bind(alone)) is alone
+  # explain: no caveat with the default; a caller's config without entry gets one.
+  explain = getattr(jax_overlap, f"explain_{op}")
+  args = (S(1024, 4096), S(4096, 4096)) if op == "all_gather_matmul" else (S(4096, 1024),
+                                                                          S(1024, 4096))
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "peer_access_reason", lambda: None)
+  assert explain(*args, axis_size=4, impl="pallas").caveat is None
+  caveat = explain(*args, axis_size=4, impl="pallas", config=alone).caveat
+  assert "config.entry=False in a multi-process job" in caveat
 
 
 
