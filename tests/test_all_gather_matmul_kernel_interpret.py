@@ -522,10 +522,12 @@ def test_outputs_are_typed_varying_over_the_axis():
     (4, (64, 3072, 2560), "push"),
     (1, (384, 3072, 2560), "forward"),
     (1, (384, 3072, 2560), "push"),
+    (8, (1024, 8192, 1024), "ring"),  # D = 8 (no 8-GPU machine yet): the default there
+    (8, (128, 8192, 3584), "push"),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gathered):
   """The exchange (remote TMA stores, semaphores, per-chunk or, streamed,
-  per-group waits) lowers for CUDA, with each send design, at D = 1 to 4, with and without the
+  per-group waits) lowers for CUDA, with each send design, at D = 1 to 4 and 8, with and without the
   own rows of the gathered x (the interpreter cannot run it); the gathered x
   comes back only when asked for; with peers, each chunk is announced by a
   release-ordered add (`signals.signal`)."""

@@ -147,9 +147,10 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
     (2, BF16, 128, 8, 8, 8192, False),
     (2, BF16, 128, 64, 1, 32768, False),  # 16 splits, merged 8 at a time
     (4, BF16, 128, 64, 1, 32768, False), (3, BF16, 128, 64, 8, 3 * 4096, False),
-    (4, BF16, 128, 64, 1, 32768, True), (4, BF16, 128, 64, 8, 8192, True)])
+    (4, BF16, 128, 64, 1, 32768, True), (4, BF16, 128, 64, 8, 8192, True),
+    (8, BF16, 128, 64, 1, 65536, False)])  # D = 8 (no 8-GPU machine yet)
 def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, merge_all):
-  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2-4,
+  """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2-4 and 8,
   with one merge pipeline per source or one over all (merge_all), and the
   devices meet inside the kernel (entry.Entry's handshake: one spin over
   every peer's marker), not at XLA's barrier."""

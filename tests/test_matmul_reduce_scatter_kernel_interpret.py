@@ -208,10 +208,11 @@ def _cuda_module(config, m: int, k: int, n: int, d: int, body=None) -> str:
     (3, (384, 1024, 1024)),
     (4, (512, 4096, 7168)),
     (4, (8192, 1024, 1024)),
+    (8, (8192, 1024, 8192)),  # D = 8 (no 8-GPU machine yet): drip + add_all
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"D{v}")
 def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   """Remote stores and reduce-stores, signals and waits lower for CUDA at
-  D = 1..4 (the interpreter cannot run them), peers' TMA descriptors
+  D = 1..4 and 8 (the interpreter cannot run them), peers' TMA descriptors
   included: their device ids must be recomputable on the host. With peers,
   tiles are announced by release-ordered adds and the waits are followed by
   the async-proxy fence; at D = 1 there is neither."""
