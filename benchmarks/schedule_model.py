@@ -32,12 +32,14 @@ come out at ~1.03, below what they measure (1.03-1.18).
 Matmul + reduce-scatter (`rs_span_over_gemm`), an event simulation: a peer
 tile's partial is queued on the link at its epilogue; the default epilogue
 returns once the store has read all but its last `epi_slots` granules
-(drip: at once; the model leaves out the TMA queue that drip spreads, RS v6's
-H4, so it reads drip as the tile staged whole); a peer tile is announced
+(drip: at once, but the next epilogue waits until they have left, since it
+stages into the same slots: one tile of buffering per block; the model
+leaves out the TMA queue that drip spreads, RS v6's H4); a peer tile is announced
 after the block's next K loop
 (or after its last tile) once landed; later senders (D > 2) wait for the
 step-0 sender's announcement, own tiles for the D - 1 peers' (add_all: only
-the latter, after zeroing the output at HBM speed). Against H100: 2048 rows
+the latter, after zeroing the output at HBM speed; interleaved, RS v12, none,
+and the call ends when the last partial has landed). Against H100: 2048 rows
 at D = 2 1.27 (measured 1.31), at D = 4 1.80 (measured 1.98); 8192 rows 1.05
 at D = 2 and 4 (measured 1.22 and 1.30: the many-wave loss is not this).
 """
@@ -72,7 +74,7 @@ DEFAULT_SHAPES = {
 
 # The designs compared: AG (send, stream); RS config variants.
 DESIGNS = (("forward", False), ("ring", False), ("forward", True), ("ring", True))
-RS_VARIANTS = ("plain", "add_all", "drip", "drip_add_all")
+RS_VARIANTS = ("plain", "add_all", "drip", "drip_add_all", "drip_add_all_interleave")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +160,13 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
   landed, announced, waiters = {}, {}, {}
   link_free = 0.0
   tiles_of = [list(range(b, total, grid)) for b in range(grid)]
+  # (step, t) of tile number lin: step-major, or interleaved (RS v12).
+  place = ((lambda lin: rs_kernel.interleaved_place(lin, d, per_step, grid)) if config.interleave
+           else (lambda lin: divmod(lin, per_step)))
+  number = lambda step, t: step * per_step + t  # step-major (no interleaved tile waits)
   position = [0] * grid
   done_at = [0.0] * grid
+  slots_free = [0.0] * grid  # drip: when the block's staged granules have left
   events = [(zero_us, b, "tile") for b in range(grid)]
   heapq.heapify(events)
 
@@ -171,17 +178,17 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
   while events:
     now, b, kind = heapq.heappop(events)
     lin = tiles_of[b][position[b]]
-    step, t_idx = divmod(lin, per_step)
+    step, t_idx = place(lin)
     if kind == "tile":  # the K loop
       heapq.heappush(events, (now + tile_us, b, "k_done"))
       continue
-    if kind == "k_done" and lin >= grid and (lin - grid) // per_step < d - 1:
+    if kind == "k_done" and lin >= grid and place(lin - grid)[0] < d - 1:
       announce(lin - grid, now)  # the block's previous tile, one tile late
     needs = []
     if d > 2 and 0 < step < d - 1 and not config.add_all:
-      needs.append(t_idx)  # the step-0 sender's tile (its timing is this device's)
-    if step == d - 1:
-      needs += [s * per_step + t_idx for s in range(d - 1)]
+      needs.append(number(0, t_idx))  # the step-0 sender's tile (its timing is this device's)
+    if step == d - 1 and not config.interleave:
+      needs += [number(s, t_idx) for s in range(d - 1)]
     if missing := [x for x in needs if x not in announced]:
       waiters.setdefault(missing[0], []).append(b)
       continue
@@ -189,11 +196,15 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
       heapq.heappush(events, (ready, b, "wait"))
       continue
     end = now
+    if config.drip:  # the epilogue stages into slots the last peer tile's granules may still hold
+      end = max(end, slots_free[b])
     if step < d - 1:  # the epilogue into a peer
-      start = max(link_free, now)
+      start = max(link_free, end)
       link_free = start + xfer_us
       landed[lin] = link_free + machine.delta_us
-      if t.epi_slots < granules:  # waits for its first granules to be read
+      if config.drip:
+        slots_free[b] = link_free
+      elif t.epi_slots < granules:  # waits for its first granules to be read
         end = start + wait_frac * xfer_us
     done_at[b] = end
     position[b] += 1
@@ -202,7 +213,10 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
     elif step < d - 1:
       announce(lin, end)
   assert position == [len(tiles) for tiles in tiles_of], "the modelled schedule deadlocked"
-  return max(done_at) / (total / machine.sms * tile_us)
+  # Interleaved, no own tile waits: the call ends when the last peer partial
+  # has landed (block 0's last wait).
+  end = max(done_at + ([max(landed.values()) + machine.delta_us] if config.interleave else []))
+  return end / (total / machine.sms * tile_us)
 
 
 def main() -> None:

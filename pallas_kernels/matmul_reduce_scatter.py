@@ -58,15 +58,16 @@ the first one's store (at D > 2 with few waves per step that wait is a whole
 tile: the first sender announces a tile one tile late). The own tiles still
 wait for the D - 1 peers' partials, so that the output is complete on exit.
 
-With `config.interleave` (add_all only; experimental, RS v12), tile number
-lin computes step lin % D instead of lin // (tiles per step): the own tiles
-run among the peers' all along, so the partials leave at (D - 1) / D of the
-rate at which the tiles produce them instead of at the whole rate for
-(D - 1) / D of the call (at K_shard 2048 that whole rate is above what
-NVLink takes: benchmarks/NOTES.md, RS v12). Since every partial is added,
-no own tile waits; one warpgroup of block 0 waits for all the peers' halves
-(one count) after the block's own announcements, so the output is complete
-on exit.
+With `config.interleave` (add_all only; experimental, RS v12), the own tiles
+run among the peers' (`interleaved_place`) instead of last, but for one wave
+of them kept for the end, while the last peer partials land: the partials
+leave at about (D - 1) / D of the rate at which the tiles produce them,
+instead of at the whole rate for (D - 1) / D of the call (at K_shard 2048
+that whole rate is above what NVLink takes, and a block's next epilogue
+waits for its staged granules: benchmarks/NOTES.md, RS v12). Since every
+partial is added, no own tile waits; one warpgroup of block 0 waits for all
+the peers' halves (one count) after the block's own announcements, so the
+output is complete on exit.
 
 Designs measured and dropped (benchmarks/NOTES.md, RS v2-v5): the tile
 staged whole in shared memory under one store (`drip` was faster at every
@@ -141,10 +142,10 @@ class MatmulReduceScatterConfig:
       row block of each K split) is reduce-added in float32 into its owner's
       output, zeroed first.
     k_splits: with whole_rows, the K ranges of each column strip.
-    interleave: with add_all, the steps' tiles interleaved (tile number lin
-      computes step lin % D), so the own tiles run among the peers' instead
-      of last: the partials leave at (D - 1) / D of the compute's output rate
-      all along, not at the whole rate for (D - 1) / D of the call, and no own
+    interleave: with add_all, the own tiles spread among the peers' instead
+      of last, but for a last wave of them (`interleaved_place`): the
+      partials leave at about (D - 1) / D of the compute's output rate all
+      along, not at the whole rate for (D - 1) / D of the call, and no own
       tile waits for the peers' partials (one warpgroup of block 0 waits for
       all of them after its tiles). Experimental: RS v12, not yet run on GPUs.
     entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
@@ -432,6 +433,32 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
           or gemm_core.strip_reason(config.strip_chunks, padded, t.cta_m))
 
 
+def interleaved_place(lin, d: int, per_step: int, grid: int):
+  """(step, t) of tile number `lin` with `interleave` (works on ints and on
+  traced int32s). The last min(per_step, grid) own tiles (step D - 1) run
+  last, a wave that sends nothing while the last peer partials land; the
+  other own tiles are spread evenly among the peers' tiles (each position
+  is own where floor(lin Q / I) steps up: Q own among I tiles), the peers'
+  in t-major order (the D - 1 owners of one column tile together)."""
+  tail = min(per_step, grid)
+  own = per_step - tail  # own tiles interleaved
+  mixed = (d - 1) * per_step + own  # tiles before the tail
+  before = lin * own // mixed  # own tiles at positions < lin
+  is_own = (lin + 1) * own // mixed > before
+  peer = lin - before
+  in_tail = lin >= mixed
+  step = _where(in_tail | is_own, d - 1, peer % (d - 1) if d > 1 else 0)
+  t = _where(in_tail, own + lin - mixed, _where(is_own, before, peer // (d - 1) if d > 1 else 0))
+  return step, t
+
+
+def _where(cond, a, b):
+  """`a if cond else b` for Python bools and traced ones alike."""
+  if isinstance(cond, bool):
+    return a if cond else b
+  return jnp.where(cond, a, b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Standalone:
   """Stands in for the exchange: compute the partials of device `index` of
@@ -544,7 +571,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
-      step, t = (lin % d, lin // d) if interleave else (lin // per_step, lin % per_step)
+      step, t = (interleaved_place(lin, d, per_step, grid) if interleave
+                 else (lin // per_step, lin % per_step))
       chunk, n_idx, _ = gemm_core.strip_position(t, m_chunks, n_tiles, config.strip_chunks)
       return step, t, chunk, n_idx
 

@@ -12,6 +12,7 @@ tests/test_matmul_reduce_scatter_gpu.py.
 """
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -422,6 +423,28 @@ def test_only_the_unmeasured_variants_are_experimental():
   named; the measured ones stay in."""
   assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {
       "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave"}
+
+
+@pytest.mark.parametrize("d,per_step,grid", [
+    (4, 512, 132), (3, 7, 4), (2, 10, 3), (4, 40, 132), (8, 64, 132), (4, 3, 2)])
+def test_interleaved_place_spreads_the_own_tiles_and_keeps_a_last_wave_of_them(d, per_step, grid):
+  """interleave: every (step, t) once; the last min(per_step, grid) tiles
+  are own tiles; the other own tiles spread evenly (gaps within one of
+  I / Q); the peers in t-major order; ints and traced int32s agree."""
+  places = [rs.interleaved_place(lin, d, per_step, grid) for lin in range(d * per_step)]
+  assert sorted(places) == [(s, t) for s in range(d) for t in range(per_step)]
+  tail = min(per_step, grid)
+  assert all(step == d - 1 for step, _ in places[-tail:])
+  mixed = places[:-tail]
+  own = [i for i, (step, _) in enumerate(mixed) if step == d - 1]
+  if own:
+    gap = len(mixed) / len(own)
+    assert all(abs((b - a) - gap) <= 1 for a, b in itertools.pairwise(own)), own
+  peers = [t for step, t in mixed if step < d - 1]
+  assert peers == sorted(peers)
+  traced = jax.jit(lambda lin: rs.interleaved_place(lin, d, per_step, grid))(
+      jnp.arange(d * per_step, dtype=jnp.int32))
+  assert list(zip(*(np.asarray(a).tolist() for a in traced))) == places
 
 
 @pytest.mark.parametrize("d", [2, 3, 4])

@@ -68,6 +68,25 @@ def test_the_rs_command_prints_every_variant(capsys):
                                           "--axis_sizes=4", "--shapes=2048x4096x4096"]):
     model.main()
   out = capsys.readouterr().out
-  assert "plain, add_all, drip, drip_add_all" in out
+  assert "plain, add_all, drip, drip_add_all, drip_add_all_interleave" in out
   [row] = [line for line in out.splitlines() if line.startswith("| ")]
-  assert row.startswith("| 2048x4096x4096 | D = 4: ") and row.count(" / ") == 3
+  assert row.startswith("| 2048x4096x4096 | D = 4: ")
+  assert row.count(" / ") == len(model.RS_VARIANTS) - 1
+
+
+def test_rs_interleave_spares_the_link_where_the_tiles_outpace_it():
+  """The model's o projection at D = 4 (8192 rows, K_shard 2048: a tile's
+  partial every ~22 µs per SM, ~380 GB/s of them over all SMs on an H200)
+  with NVLink taking 240-300 GB/s: step-major, the peers' steps outrun the
+  link and each block's next epilogue waits for its staged granules; the own
+  tiles spread among them (RS v12) keep the link's load under its rate. Where
+  the link keeps up, interleaving costs nothing (its last wave is own tiles)."""
+  for link in (240e9, 300e9):
+    h200 = model.Machine(flops_per_sm=6.0e12, link=link, hbm=4.8e12)
+    step_major = model.rs_span_over_gemm(8192, 2048, 8192, 4, "drip_add_all", h200)
+    spread = model.rs_span_over_gemm(8192, 2048, 8192, 4, "drip_add_all_interleave", h200)
+    assert spread < step_major - 0.1, (link, spread, step_major)
+  h200 = model.Machine(flops_per_sm=6.0e12, hbm=4.8e12)
+  for shape in ((8192, 4096, 7168), (2048, 4096, 4096), (8192, 7168, 8192)):
+    assert model.rs_span_over_gemm(*shape, 4, "drip_add_all_interleave", h200) <= (
+        model.rs_span_over_gemm(*shape, 4, "drip_add_all", h200) + 0.005), shape
