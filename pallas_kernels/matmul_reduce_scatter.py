@@ -703,8 +703,15 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           def _():
             pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
             signals.async_proxy_fence()
-        if ready is not None:  # once per owner: the block's first tile of each step
-          @pl.when((info.local_index == 0) | (place(lin - grid)[0] != step))
+        if ready is not None and interleave:  # a block's tiles go to every owner in turn
+          @pl.when(info.local_index == 0)
+          @jax.named_scope("wait_ready")
+          def _():
+            for o in range(d):
+              pl.semaphore_wait(ready.at[o], 2 * zeroers, decrement=False)
+            signals.async_proxy_fence()
+        elif ready is not None:  # once per owner: the block's first tile of each step
+          @pl.when((info.local_index == 0) | ((lin - grid) // per_step != step))
           @jax.named_scope("wait_ready")
           def _():
             pl.semaphore_wait(ready.at[owner(step)], 2 * zeroers, decrement=False)
