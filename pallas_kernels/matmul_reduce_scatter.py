@@ -486,6 +486,17 @@ def _announce_zeroed(ready, me, d: int, axis_name, peers_in: entry.Entry | None)
     _signal_devices(ready.at[me], me, d, axis_name)
 
 
+def _await_peer_halves(landed, count: int, sm, wg) -> None:
+  """Block 0's first warpgroup waits until `landed[0]` counts every peer
+  half sent into this device (`count`), so that the output is complete on
+  exit; called after the block's own announcements, so that no two blocks
+  wait on each other."""
+  @pl.when((sm == 0) & (wg == 0))
+  @jax.named_scope("wait_peers")
+  def _():
+    pl.semaphore_wait(landed.at[0], count, decrement=False)
+
+
 def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   """config.entry: the handshake's semaphores, its porter run at once by
   block 0's first warpgroup; the writers call `wait()` on the result."""
@@ -769,10 +780,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
             lambda: announce(last - grid))
       pl.when((wg < 2) & (mine > 0))(lambda: announce(last))
       if interleave:  # after the block's own announcements: no two blocks wait on each other
-        @pl.when((sm == 0) & (wg == 0))
-        @jax.named_scope("wait_peers")
-        def _():
-          pl.semaphore_wait(landed.at[0], 2 * (d - 1) * per_step, decrement=False)
+        _await_peer_halves(landed, 2 * (d - 1) * per_step, sm, wg)
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
@@ -898,11 +906,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
     pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
     if remote:
       pl.when(wg < 2)(announce)  # the block's last item (every block has one)
-
-      @pl.when((sm == 0) & (wg == 0))
-      @jax.named_scope("wait_peers")
-      def _():
-        pl.semaphore_wait(landed.at[0], 2 * (d - 1) * items, decrement=False)
+      _await_peer_halves(landed, 2 * (d - 1) * items, sm, wg)
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (splits, d, padded, n)
