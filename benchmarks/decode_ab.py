@@ -35,8 +35,6 @@ from pallas_kernels import platform
 _VARIANTS = flags.DEFINE_list("variants", None, "module[/field=value...] per variant.")
 _SHARE_OF = flags.DEFINE_integer("share_of", 1, "Divide each shape's S by this (see above).")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
-# The HBM read rate a streaming kernel reaches here (benchmarks/NOTES.md, decode v14).
-READ_BYTES_PER_S = 4.67e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +104,9 @@ def main(argv):
       calls[spec] = (fn, args)
     times = harness.interleaved_rounds(calls, rounds=_ROUNDS.value,
                                        iterations=iterations, devices=d)
-    floor = shape.kv_bytes_per_device(d) / READ_BYTES_PER_S * 1e6
-    print(f"{shape} at D={d} (KV read at 4.67 TB/s: {floor:.1f} µs): " + "  ".join(
+    rate = harness.peak_hbm()
+    floor = shape.kv_bytes_per_device(d) / rate * 1e6
+    print(f"{shape} at D={d} (KV read at {rate / 1e12:.2f} TB/s: {floor:.1f} µs): " + "  ".join(
         f"{spec} {np.median(ts):.1f} ({min(ts):.1f}-{max(ts):.1f})" for spec, ts in times.items()),
         flush=True)
 

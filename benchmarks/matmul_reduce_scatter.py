@@ -97,15 +97,13 @@ def _pallas_variant(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
                  _variant_config(shape, ctx.mesh, variant))
 
 
-def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
-                       fill_sms: bool = False) -> runner.Built:
+def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context
+                       ) -> runner.Built:
   """The whole_rows design (decode-size rows) wherever it fits, whatever
-  `default_config` takes (opt-in: to compare the two designs); with
-  `fill_sms`, RS v9's K splits (`rs_kernel.whole_rows_config`)."""
+  `default_config` takes (opt-in: to compare the two designs)."""
   cases.require_hopper("our kernel")
   config = rs_kernel.whole_rows_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
-                                       axis_size=ctx.mesh.size, num_sms=platform.num_sms(),
-                                       fill_sms=fill_sms)
+                                       axis_size=ctx.mesh.size, num_sms=platform.num_sms())
   if config is None:
     raise runner.Skip("whole_rows needs the D row blocks in 128 rows.")
   return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w), config)
@@ -136,8 +134,6 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
         for v in rs_kernel.VARIANTS),
       runner.Case("pallas_whole_rows", "ours", functools.partial(_pallas_whole_rows, shape, ctx),
                   opt_in=True),
-      runner.Case("pallas_whole_rows_fill", "ours",
-                  functools.partial(_pallas_whole_rows, shape, ctx, fill_sms=True), opt_in=True),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -165,7 +161,7 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                "pallas_whole_rows_fill", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+                "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def _pallas_support(p: Problem) -> str | None:
 def _pallas_caveat(p: Problem) -> str | None:
   config = _kernel_config(p)
   return (kernel.experimental_reason(config, axis_size=p.axis_size)
-          or dispatch.barrier_caveat(config))
+          or dispatch.barrier_caveat(config) or dispatch.loop_caveat())
 
 
 def _key(p: Problem) -> str:

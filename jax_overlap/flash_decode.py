@@ -58,7 +58,8 @@ def _pallas_bsp_support(p: Problem) -> str | None:
 
 
 def _pallas_caveat(p: Problem) -> str | None:
-  return kernel.experimental_reason(_kernel_config(p))
+  return (kernel.experimental_reason(_kernel_config(p), axis_size=p.axis_size)
+          or dispatch.loop_caveat())
 
 
 def _key(p: Problem) -> str:
@@ -97,7 +98,7 @@ def _few_pairs_rule(p: Problem) -> str | None:
 # is ~3x slower than a local kernel); else XLA. The auto table
 # (`tuned.auto_reason`) decides between all three for its exact problems.
 _OP = dispatch.Op(OP, {
-    "pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
+    "pallas": dispatch.Impl(_pallas_support, dispatch.loops_run(
         tuned.measured_first(OP, _key, _few_pairs_rule)), _pallas_caveat),
     "pallas_bsp": dispatch.Impl(_pallas_bsp_support, tuned.measured_first(
         OP, _key, dispatch.always, impl="pallas_bsp")),

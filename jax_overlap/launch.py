@@ -15,6 +15,9 @@ while every process sees every GPU, as a cluster that does not isolate the
 GPUs of a host's tasks runs them. NVLink multicast stays off in every process
 (`NCCL_NVLS_ENABLE=0`, `NVSHMEM_DISABLE_NVLS=1`,
 `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`), whatever the caller's environment says.
+GPU processes also get XLA's dynamic-slice fusion off
+(`pallas_kernels.platform.LOOP_FLAG`, which the kernels need inside loops
+across processes) unless the caller's XLA_FLAGS set that flag.
 
 Every line a process writes (stdout and stderr) is printed as `[p<i>] line`
 and kept. The first process that exits non-zero, or the timeout, ends all the
@@ -37,6 +40,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from pallas_kernels import platform
 
 # Read by `initialize` (JAX itself reads JAX_COORDINATOR_ADDRESS too, but not
 # the process id or count).
@@ -120,6 +125,10 @@ def process_env(process_id: int, num_processes: int, port: int, *,
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
     env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices_per_process}"])
   if gpus_per_process is not None:
+    flags = env.get("XLA_FLAGS", "").split()
+    loop_flag = platform.LOOP_FLAG.split("=")[0] + "="
+    if not any(f.startswith(loop_flag) for f in flags):
+      env["XLA_FLAGS"] = " ".join([*flags, platform.LOOP_FLAG])
     first = process_id * gpus_per_process
     ids = ",".join(map(str, range(first, first + gpus_per_process)))
     env[ENV_LOCAL_DEVICE_IDS if all_gpus_visible else "CUDA_VISIBLE_DEVICES"] = ids

@@ -211,11 +211,13 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   plain, drip and drip + add_all were within the rounds' spread (RS v7).
 
   Decode-size rows (D x the padded rows per device <= 64) with K_shard >=
-  7168: `whole_rows_config`, w read once for every owner's rows. Side by
-  side on 4 and 2 H200s (RS v9): 1.2-2.3x faster than the row-block tiles
-  there (339 -> 148 µs at 16 x 13312 x 16384 per device, D = 4), slower at
-  128 gathered rows or K_shard <= 4096. XLA's BSP path was faster still at
-  every such shape, so `auto` takes BSP there; this serves impl="pallas".
+  4096: `whole_rows_config`, w read once for every owner's rows. Side by
+  side on 4 and 2 H200s (RS v9) and 4 H100s (RS v11): 1.2-2.3x faster than
+  the row-block tiles there (339 -> 148 µs at 16 x 13312 x 16384 per device,
+  D = 4; 129.7 -> 77.2 at 16 x 4096 x 16384), slower at 128 gathered rows or
+  K_shard 2048. XLA's BSP path was as fast or faster at every such shape
+  (0.95-0.99x at K_shard >= 4096 on H100), so `auto` takes BSP there; this
+  serves impl="pallas".
   """
   whole = whole_rows_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   if (whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
@@ -282,30 +284,24 @@ def whole_rows_estimate_us(k_shard: int, n: int, itemsize: int, tiles: gemm_core
 
 
 def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
-                      num_sms: int, fill_sms: bool = False
-                      ) -> MatmulReduceScatterConfig | None:
+                      num_sms: int) -> MatmulReduceScatterConfig | None:
   """A `whole_rows` config for `rows` per device (None if the D row blocks
   do not fit a 128-row tile): `gemm_core.whole_rows_tiles`, and the K splits
   (each a whole number of K steps) that `whole_rows_estimate_us` finds
-  fastest, the fewest of equals.
-
-  fill_sms: instead, the fewest splits that give every SM an item (RS v9's
-  rule, measured in session 30: at 16 rows per device it split K 2-8 ways,
-  6.3 MB of float32 partials per call per device at D = 4; kept for the side
-  by side until RS v11 is measured). GPU-tested at D = 2 and 4
-  (`experimental_reason`)."""
+  fastest, the fewest of equals. GPU-tested at D = 2 and 4
+  (`experimental_reason`). RS v11, side by side on 4 H100s at 16 rows per
+  device: 8-27% faster than RS v9's fewest splits that give every SM an item
+  (52.8 against 72.8 µs at K_shard 2048, N 8192; 172.7 against 188.1 at
+  13312 x 16384)."""
   span = gemm_core.whole_rows_span(rows, axis_size, max_span=_WHOLE_MAX_ROWS)
   tiles = gemm_core.whole_rows_tiles(span, n, dtype)
   if tiles is None or n % tiles.cta_n or k_shard % tiles.tile_k:
     return None
-  n_tiles, k_steps = n // tiles.cta_n, k_shard // tiles.tile_k
+  k_steps = k_shard // tiles.tile_k
   divisors = [s for s in range(1, k_steps + 1) if k_steps % s == 0]
-  if fill_sms:
-    splits = next((s for s in divisors if s * n_tiles >= num_sms), k_steps)
-  else:
-    itemsize = jnp.dtype(dtype).itemsize
-    splits = min(divisors, key=lambda s: (whole_rows_estimate_us(
-        k_shard, n, itemsize, tiles, s, axis_size=axis_size, num_sms=num_sms), s))
+  itemsize = jnp.dtype(dtype).itemsize
+  splits = min(divisors, key=lambda s: (whole_rows_estimate_us(
+      k_shard, n, itemsize, tiles, s, axis_size=axis_size, num_sms=num_sms), s))
   return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
 
 
@@ -346,9 +342,11 @@ def experimental_variant(name: str) -> bool:
 _WHOLE_GPU_TESTED_AXIS_SIZES = (2, 4)
 # default_config takes whole_rows for at most this many gathered rows (D x
 # the padded rows per device) with at least _WHOLE_MIN_K_SHARD: measured
-# faster than the row-block tiles there, slower at 128 rows or short K (RS v9).
+# faster than the row-block tiles there (RS v9; RS v11 at K_shard 4096: 77.2
+# against 129.7 µs, 64 x 4096 x 16384 on 4 H100s), slower at 128 rows or
+# K_shard 2048 (52.8 against 50.7 at 64 x 2048 x 8192).
 _WHOLE_DEFAULT_MAX_ROWS = 64
-_WHOLE_MIN_K_SHARD = 7168
+_WHOLE_MIN_K_SHARD = 4096
 # Blocks that zero the output with add_all, at most.
 _ZEROERS = 16
 # whole_rows: the most rows a tile spans (D row blocks; the warpgroups side

@@ -133,3 +133,35 @@ def peer_access_reason() -> str | None:
   if jax.process_count() == 1:
     return None
   return nccl_peer_pointer_reason(nccl_library())
+
+
+# The XLA flag that lets a kernel run inside a loop in a multi-process job.
+LOOP_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=false"
+
+
+def loop_fusion_reason(xla_flags: str | None = None) -> str | None:
+  """None if a fused kernel inside a loop (`lax.scan`, a model's layers) can
+  run in this job, else why not and the fix.
+
+  One process: None. Several processes: XLA's dynamic-slice fusion wraps a
+  Mosaic GPU call together with the loop's slices of its operands, which
+  hides the call from the colouring that puts its buffers in collective
+  memory; NCCL then refuses their windows ('Window address must be suitably
+  aligned'; openxla/xla#47461). With `LOOP_FLAG` in XLA_FLAGS a loop mixing
+  the kernels with XLA's collectives passed on 2 processes x 2 H100s
+  (session 32), where it failed without it (sessions 29-32). XLA reads
+  XLA_FLAGS when its backend starts: set it before the job's first JAX
+  call. `xla_flags`: the flags to read (default: the environment's).
+  """
+  if jax.process_count() == 1:
+    return None
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  name = LOOP_FLAG.split("=")[0]
+  values = [f.split("=", 1)[1].lower() for f in flags.split() if f.startswith(name + "=")]
+  if values and values[-1] in ("false", "0"):
+    return None
+  return (
+      "in a multi-process job a fused kernel inside a loop fails in NCCL's window registration"
+      " ('Window address must be suitably aligned': XLA's dynamic-slice fusion hides the kernel's"
+      " buffers from collective memory, openxla/xla#47461) unless the job starts with"
+      f" XLA_FLAGS={LOOP_FLAG} (BUILD.md, multi-process jobs).")

@@ -19,16 +19,16 @@ Scenarios:
   crash: process 1 raises while process 0 waits in a collective.
   gpu_tp_inside: P processes x 2+ GPUs, ("dp", "tp") = (P, GPUs), "tp"
     inside each process: impl="pallas" and "auto" against impl="xla_bsp",
-    element by element, repeated calls, a layer scan; then back-to-back
-    timings (`TIME` lines). With P = 1 it is the single-process baseline.
+    element by element, repeated calls, layer scans (one mixing the kernels
+    with XLA's collectives, which across processes needs
+    `platform.LOOP_FLAG` in XLA_FLAGS); then back-to-back timings (`TIME`
+    lines). With P = 1 it is the single-process baseline.
   gpu_tp_inside_auto: the same with impl="auto" only (no timings).
   gpu_tp_across: P processes x 1 GPU, "tp" across them: with an NCCL that
     lacks peer pointers the support check refuses the kernels and
-    impl="pallas" raises, else impl="pallas" runs them, also in a layer scan
-    whose collectives are all fused ops (a scan that mixes a kernel with
-    XLA's reduce-scatter fails in NCCL's window registration or hangs:
-    benchmarks/NOTES.md); impl="auto" takes XLA; results, repeated calls and
-    a layer scan against impl="xla_bsp".
+    impl="pallas" raises, else impl="pallas" runs them, also in layer scans;
+    impl="auto" (XLA for the matmuls; the decode kernel where loops run);
+    results, repeated calls and a layer scan against impl="xla_bsp".
 """
 
 import dataclasses
@@ -602,28 +602,14 @@ def scenario_gpu_tp_inside(impl: str = "pallas"):
     check(f"all_gather_matmul_{each}", check_gpu_all_gather_matmul, mesh, each)
     check(f"flash_decode_{each}", check_gpu_flash_decode, mesh, each)
   check(f"matmul_reduce_scatter_{impl}", check_gpu_matmul_reduce_scatter, mesh, impl)
-  if impl == "pallas" and jax.process_count() > 1:
-    # A kernel fed by XLA's reduce-scatter in a loop fails in NCCL's window
-    # registration, or hangs, across processes (BUILD.md, multi-process jobs).
-    emit(f"CHECK layer_scan_{impl} SKIP kernels mixed with XLA collectives in a loop fail"
-         " across processes")
+  if impl == "pallas" and (reason := platform.loop_fusion_reason()):
+    emit(f"CHECK layer_scan_{impl} SKIP {reason}")
   else:
     check(f"layer_scan_{impl}", check_gpu_layer_scan, mesh, impl)
   check(f"kernel_layer_scan_{impl}", check_gpu_kernel_layer_scan, mesh, impl)
   if impl == "pallas":
     # Not on CPU: there ~50 cross-process calls in flight deadlock gloo.
     time_ops(mesh, impl)
-
-
-def scenario_gpu_mixed_loop():
-  """2 processes x 2 GPUs, "tp" inside each: the kernels (impl="pallas",
-  `entry` by default in a multi-process job) in loops that also hold XLA's
-  collectives (`check_gpu_layer_scan`), the case `scenario_gpu_tp_inside`
-  skips across processes: with XLA's barrier before each launch it failed in
-  NCCL's window registration or hung (sessions 28-29, BUILD.md)."""
-  mesh = tp_inside()
-  check("support", check_support)
-  check("layer_scan_pallas", check_gpu_layer_scan, mesh, "pallas")
 
 
 def scenario_gpu_code_on_cpu():
@@ -690,10 +676,11 @@ def check_gpu_across_refused(mesh):
 
 
 def scenario_gpu_tp_across():
-  """N processes x 1 GPU, "tp" over all of them: impl="auto" (the XLA paths in
-  a multi-process job) against impl="xla_bsp"; the kernels refused where NCCL
-  lacks peer pointers, else run (impl="pallas": single calls, and a layer
-  scan of fused ops) and checked against impl="xla_bsp"."""
+  """N processes x 1 GPU, "tp" over all of them: impl="auto" against
+  impl="xla_bsp"; the kernels refused where NCCL lacks peer pointers, else
+  run (impl="pallas": single calls, a layer scan of fused ops, and one mixing
+  the kernels with XLA's collectives, which needs `platform.LOOP_FLAG`) and
+  checked against impl="xla_bsp"."""
   mesh = tp_across()
   assert mesh.shape["tp"] == jax.process_count() >= 2, dict(mesh.shape)
   if nccl_has_peer_pointers():
@@ -701,6 +688,7 @@ def scenario_gpu_tp_across():
     check("matmul_reduce_scatter_pallas", check_gpu_matmul_reduce_scatter, mesh, "pallas")
     check("flash_decode_pallas", check_gpu_flash_decode, mesh, "pallas")
     check("kernel_layer_scan_pallas", check_gpu_kernel_layer_scan, mesh, "pallas")
+    check("layer_scan_pallas", check_gpu_layer_scan, mesh, "pallas")
   else:
     check("across_refused", check_gpu_across_refused, mesh)
   check("all_gather_matmul_auto", check_gpu_all_gather_matmul, mesh, "auto")
@@ -715,7 +703,6 @@ SCENARIOS = {
     "gpu_tp_inside": scenario_gpu_tp_inside,
     "gpu_tp_inside_auto": functools.partial(scenario_gpu_tp_inside, "auto"),
     "gpu_tp_across": scenario_gpu_tp_across,
-    "gpu_mixed_loop": scenario_gpu_mixed_loop,
     "gpu_code_on_cpu": scenario_gpu_code_on_cpu,
 }
 

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from jax_overlap import dispatch
+from pallas_kernels import platform
 import testkit
 from benchmarks import shapes
 from testkit import AXIS
@@ -173,7 +174,6 @@ def test_auto_takes_the_fused_reduce_scatter_only_where_measured_faster(d, m, k,
   """With the platform check passed (as on Hopper), "auto" follows the
   measured rule by rows per device, D and (at D = 2) K_shard, and says why it
   declines."""
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   choice = jax_overlap.explain_matmul_reduce_scatter(S(m, k), S(k, 7168), axis_size=d)
@@ -199,7 +199,6 @@ def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(d, m_shard, k, n_shard
   """Decode-size rows against wide or narrow weights (any D), and 129-511
   rows at D = 2 with K >= 8192, were measured no faster than BSP:
   "auto" declines the kernel there and says why; named, it runs."""
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   args = S(m_shard, k), S(k, n_shard)
@@ -217,7 +216,6 @@ def test_auto_follows_the_measured_table_for_its_exact_problems(winner, monkeypa
   problem, against the rule (here: 64 rows per device at D = 4, which the rule
   gives BSP); other problems keep the rule."""
   from jax_overlap import tuned  # pylint: disable=import-outside-toplevel
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "device_kind", lambda: "Test GPU")
@@ -241,7 +239,6 @@ def test_auto_follows_the_measured_table_for_its_exact_problems(winner, monkeypa
 def _as_on_hopper(monkeypatch, device_kind="Test GPU"):
   """Every kernel's platform check passes, as on Hopper GPUs of `device_kind`."""
   from jax_overlap import decode_bsp  # pylint: disable=import-outside-toplevel
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "device_kind", lambda: device_kind)
@@ -337,7 +334,6 @@ def test_explain_with_an_axis_name_checks_peer_access(monkeypatch):
   """With axis_name, explain asks whether the kernels can reach their peers
   in this job, as the op does when traced: where they cannot, the kernels
   stay off and impl="pallas" raises with the reason."""
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "peer_access_reason", lambda: "NCCL lacks the peer pointers.")
@@ -354,22 +350,44 @@ def test_explain_with_an_axis_name_checks_peer_access(monkeypatch):
 @pytest.mark.parametrize("explain,args", [
     (jax_overlap.explain_all_gather_matmul, (S(1024, 4096), S(4096, 4096))),
     (jax_overlap.explain_matmul_reduce_scatter, (S(4096, 4096), S(4096, 4096))),
-    (jax_overlap.explain_flash_decode, (S(8, 64, 128), S(8, 4096, 8, 128), S(8, 4096, 8, 128))),
-], ids=["all_gather_matmul", "matmul_reduce_scatter", "flash_decode"])
-def test_auto_keeps_the_kernels_out_of_multi_process_jobs(explain, args, monkeypatch):
-  """In a multi-process job (the kernels failed there on 4 H100s, BUILD.md)
-  "auto" takes an XLA-built path and says why, even where every other check
-  accepts the kernel; impl="pallas" still runs it."""
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+], ids=["all_gather_matmul", "matmul_reduce_scatter"])
+def test_auto_keeps_the_matmul_kernels_out_of_multi_process_jobs(explain, args, monkeypatch):
+  """In a multi-process job (the kernels ran level with BSP there on 4
+  H100s, BUILD.md) "auto" takes an XLA path and says why, even where every
+  other check accepts the kernel; impl="pallas" still runs it, with a caveat
+  where loops would fail around it."""
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  monkeypatch.setenv("XLA_FLAGS", "")
   assert explain(*args, axis_size=2).impl == "pallas"
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   choice = explain(*args, axis_size=2)
   assert choice.impl != "pallas"
   assert dict(choice.rejected)["pallas"] == dispatch.MULTI_PROCESS_REASON
-  assert explain(*args, axis_size=2, impl="pallas").impl == "pallas"
+  forced = explain(*args, axis_size=2, impl="pallas")
+  assert forced.impl == "pallas" and "single calls run" in forced.caveat
+  assert platform.LOOP_FLAG in forced.caveat
+  monkeypatch.setenv("XLA_FLAGS", platform.LOOP_FLAG)
+  assert explain(*args, axis_size=2, impl="pallas").caveat is None
+
+
+def test_auto_takes_the_decode_kernel_in_multi_process_jobs_whose_loops_run(monkeypatch):
+  """In a multi-process job "auto" takes the decode kernel (1.6-2x faster
+  than BSP in 2 processes x 2 H100s) only with XLA's dynamic-slice fusion
+  off, else a path without it, naming the flag."""
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  args = (S(8, 64, 128), S(8, 4096, 8, 128), S(8, 4096, 8, 128))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  choice = jax_overlap.explain_flash_decode(*args, axis_size=2)
+  assert choice.impl != "pallas"
+  assert platform.LOOP_FLAG in dict(choice.rejected)["pallas"]
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {platform.LOOP_FLAG}")
+  choice = jax_overlap.explain_flash_decode(*args, axis_size=2)
+  assert (choice.impl, choice.caveat) == ("pallas", None)
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
@@ -380,7 +398,6 @@ def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, mon
   with the caller's own config, nothing changes."""
   module = importlib.import_module(f"jax_overlap.{op}")
   kernel = importlib.import_module(f"pallas_kernels.{op}")
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "device_kind", lambda: _H100)
   bind = ((lambda config: module._bind(S(1024, 4096), S(4096, 4096), 4, config, False))
@@ -399,6 +416,7 @@ def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, mon
                                                                           S(1024, 4096))
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "peer_access_reason", lambda: None)
+  monkeypatch.setenv("XLA_FLAGS", platform.LOOP_FLAG)  # loops run: no caveat of theirs
   assert explain(*args, axis_size=4, impl="pallas").caveat is None
   caveat = explain(*args, axis_size=4, impl="pallas", config=alone).caveat
   assert "config.entry=False in a multi-process job" in caveat
@@ -410,7 +428,6 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
   """Inside `dispatch.meet_inside_kernels()` the default config takes
   `entry` in one process; outside it (and after it), it does not."""
   module = importlib.import_module(f"jax_overlap.{op}")
-  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "device_kind", lambda: _H100)
   problem = (module._bind(S(1024, 4096), S(4096, 4096), 4, None, False)
@@ -425,8 +442,9 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
 
 
 def test_explain_marks_an_experimental_decode_config(monkeypatch):
-  """flash_decode's merge_all (decode v19, not yet run on GPUs) runs when
-  passed, and `explain` says it is experimental; the default carries no caveat."""
+  """flash_decode's merge_all (decode v19, GPU-tested at D = 4 only) runs
+  when passed, and `explain` says it is experimental at D = 2, not at D = 4;
+  the default carries no caveat."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
   _as_on_hopper(monkeypatch)
   args = _decode_shapes(8, 4096)
@@ -435,4 +453,7 @@ def test_explain_marks_an_experimental_decode_config(monkeypatch):
   merged = jax_overlap.explain_flash_decode(
       *args, axis_size=2, impl="pallas", config=dataclasses.replace(default, merge_all=True))
   assert (plain.impl, plain.caveat) == ("pallas", None)
-  assert merged.impl == "pallas" and "merge_all is experimental" in merged.caveat
+  assert merged.impl == "pallas" and "merge_all has passed the GPU tests at D = 4" in merged.caveat
+  tested = jax_overlap.explain_flash_decode(
+      *args, axis_size=4, impl="pallas", config=dataclasses.replace(default, merge_all=True))
+  assert (tested.impl, tested.caveat) == ("pallas", None)

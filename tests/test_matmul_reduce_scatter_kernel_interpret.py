@@ -162,7 +162,7 @@ def test_default_config_is_supported(shape, d):
   """At every benchmark shape and D, with rows down to 8 per device."""
   rows = shape.m // d
   config = rs.default_config(rows, shape.k_shard, shape.n, BF16, axis_size=d, num_sms=132)
-  assert rs.unsupported_reason(rows, shape.k_shard, shape.n, BF16, config) is None
+  assert rs.unsupported_reason(rows, shape.k_shard, shape.n, BF16, config, axis_size=d) is None
 
 
 def test_default_config_strips_only_past_two_waves():
@@ -219,7 +219,7 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   the async-proxy fence; at D = 1 there is neither."""
   m, k, n = shape
   config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
-  assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  assert rs.unsupported_reason(m // d, k, n, BF16, config, axis_size=d) is None
 
   def body(x, w):
     out = rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132)
@@ -522,30 +522,32 @@ def test_whole_rows_partials_match_float64(d, index, rows, k, splits, tile_n, nu
       testkit.assert_matmul_close(out[owner], x[owner * rows:(owner + 1) * rows], w, BF16)
 
 
-@pytest.mark.parametrize("d,rows,k,n,fill,splits", [
-    (2, 16, 14336, 8192, 4, 2), (2, 32, 4096, 8192, 4, 2), (4, 8, 7168, 8192, 4, 2),
-    (4, 16, 26624 // 4, 16384, 2, 1), (2, 64, 2048, 4096, 8, 2), (8, 8, 4096, 8192, 4, 2),
-    (4, 16, 2048, 8192, 4, 2)])
-def test_whole_rows_config_splits_k_where_the_model_is_fastest(d, rows, k, n, fill, splits):
+@pytest.mark.parametrize("d,rows,k,n,splits", [
+    (2, 16, 14336, 8192, 2), (2, 32, 4096, 8192, 2), (4, 8, 7168, 8192, 2),
+    (4, 16, 26624 // 4, 16384, 1), (2, 64, 2048, 4096, 2), (8, 8, 4096, 8192, 2),
+    (4, 16, 2048, 8192, 2)])
+def test_whole_rows_config_splits_k_where_the_model_is_fastest(d, rows, k, n, splits):
   """The K splits (whole K steps each) of the least modelled time, the
   fewest of equals: one split per column tile where that already keeps ~all
   SMs streaming w (128 tiles of 16384 columns), else two (64 tiles), not the
-  4-8 that fill_sms (the fewest giving every SM an item: 3 would not divide
-  224, 64 or 112 steps; 5-7 not 32) takes, each sending its float32 partial."""
+  more that would give every SM an item (RS v9's rule, measured 8-27% slower
+  in RS v11), each sending its float32 partial."""
   config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
-  filled = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132, fill_sms=True)
-  assert config.whole_rows and (config.k_splits, filled.k_splits) == (splits, fill), config
-  assert (n // filled.tiles.cta_n) * fill >= 132 and filled.tiles == config.tiles
+  assert config.whole_rows and config.k_splits == splits, config
   estimate = lambda s: rs.whole_rows_estimate_us(k, n, 2, config.tiles, s, axis_size=d,
                                                  num_sms=132)
   k_steps = k // config.tiles.tile_k
-  assert all(estimate(splits) <= estimate(s) for s in range(1, k_steps + 1) if k_steps % s == 0)
+  divisors = [s for s in range(1, k_steps + 1) if k_steps % s == 0]
+  assert all(estimate(splits) < estimate(s) for s in divisors if s < splits)
+  assert all(estimate(splits) <= estimate(s) for s in divisors)
+  # The splits that give every SM an item (n_tiles x splits >= 132) cost
+  # more, or as much with more splits.
+  fill = next(s for s in divisors if s * (n // config.tiles.cta_n) >= 132)
   assert estimate(splits) < estimate(fill) or splits < fill
-  for c in (config, filled):
-    assert rs.unsupported_reason(rows, k, n, BF16, c, axis_size=d) is None
-    # GPU-tested at D = 2 and 4 only (session 30).
-    reason = rs.experimental_reason(c, axis_size=d)
-    assert (reason is None) == (d in (2, 4)), reason
+  assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
+  # GPU-tested at D = 2 and 4 only (session 30).
+  reason = rs.experimental_reason(config, axis_size=d)
+  assert (reason is None) == (d in (2, 4)), reason
 
 
 def test_whole_rows_estimate_weighs_streaming_against_the_exchange():
@@ -566,13 +568,15 @@ def test_whole_rows_estimate_weighs_streaming_against_the_exchange():
 @pytest.mark.parametrize("d,rows,k,n,whole", [
     (4, 16, 13312, 16384, True), (4, 16, 7168, 8192, True), (2, 16, 14336, 8192, True),
     (2, 32, 14336, 8192, True), (2, 8, 7168, 4096, True),
+    (4, 16, 4096, 16384, True), (2, 16, 4096, 8192, True),
     (4, 32, 7168, 8192, False),  # 128 gathered rows
-    (4, 16, 2048, 8192, False), (2, 16, 4096, 8192, False),  # short K
+    (4, 16, 2048, 8192, False), (2, 32, 2048, 4096, False),  # short K
     (3, 16, 7168, 8192, False),  # D = 3: no whole_rows tiles
     (2, 256, 7168, 8192, False)])
 def test_default_config_takes_whole_rows_at_decode_rows_and_long_k(d, rows, k, n, whole):
-  """RS v9, side by side on H200s: whole_rows was faster than the row-block
-  tiles with <= 64 gathered rows and K_shard >= 7168, slower otherwise."""
+  """RS v9 (H200s) and v11 (H100s), side by side: whole_rows was faster than
+  the row-block tiles with <= 64 gathered rows and K_shard >= 4096, slower
+  otherwise."""
   config = rs.default_config(rows, k, n, BF16, axis_size=d, num_sms=132)
   assert config.whole_rows == whole, config
   assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None

@@ -48,6 +48,29 @@ def test_several_processes_need_the_peer_pointers(monkeypatch, peer_pointers):
   assert (reason is None) == peer_pointers, reason
 
 
+@pytest.mark.parametrize("flags,runs", [
+    ("", False),
+    ("--xla_gpu_enable_dynamic_slice_fusion=false", True),
+    ("--xla_dump_to=/tmp/d --xla_gpu_enable_dynamic_slice_fusion=0", True),
+    ("--xla_gpu_enable_dynamic_slice_fusion=true", False),
+    # The last occurrence wins, as in XLA's parser.
+    ("--xla_gpu_enable_dynamic_slice_fusion=false --xla_gpu_enable_dynamic_slice_fusion=true",
+     False),
+    ("--xla_gpu_enable_dynamic_slice_fusion_v2=false", False),
+])
+def test_loops_across_processes_need_dynamic_slice_fusion_off(monkeypatch, flags, runs):
+  """In one process loops run whatever XLA_FLAGS says; in several, only with
+  XLA's dynamic-slice fusion off, and the reason names the flag."""
+  assert platform.loop_fusion_reason("") is None
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  reason = platform.loop_fusion_reason(flags)
+  assert (reason is None) == runs, reason
+  if not runs:
+    assert f"XLA_FLAGS={platform.LOOP_FLAG}" in reason and "openxla/xla#47461" in reason
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  assert platform.loop_fusion_reason() == reason
+
+
 def test_nccl_library_reads_what_loads(monkeypatch):
   """A candidate that does not load is passed over; one without NCCL's
   symbols (here the C library) reads as no version and no peer pointers."""
