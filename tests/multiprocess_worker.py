@@ -24,6 +24,9 @@ Scenarios:
     `platform.LOOP_FLAG` in XLA_FLAGS); then back-to-back timings (`TIME`
     lines). With P = 1 it is the single-process baseline.
   gpu_tp_inside_auto: the same with impl="auto" only (no timings).
+  gpu_model: P processes x 2+ GPUs, "tp" inside each: the model's training
+    step, prefill and decode steps with the kernels, and with "auto",
+    against impl="xla_bsp".
   gpu_tp_across: P processes x 1 GPU, "tp" across them: with an NCCL that
     lacks peer pointers the support check refuses the kernels and
     impl="pallas" raises, else impl="pallas" runs them, also in layer scans;
@@ -612,13 +615,79 @@ def scenario_gpu_tp_inside(impl: str = "pallas"):
     time_ops(mesh, impl)
 
 
+# The model's GPU check: shapes every kernel tiles at D = 2 and 4 (those of
+# tests/test_transformer_gpu.py).
+GPU_MODEL = transformer.TransformerConfig(hidden=1024, q_heads=16, kv_heads=8, head_dim=128,
+                                          ffn=4096, vocab=4096, dtype=BF16)
+
+
+def assert_within(got, want, what: str, rtol: float) -> None:
+  """Every element of `got` within rtol x the largest |element| of `want`:
+  for results that pass through many bf16 roundings (a model's layers)."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+  assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:g} x scale {scale:.3g}"
+
+
+def check_gpu_model(mesh, impl):
+  """The model over "tp" of `mesh` (2 layers under lax.scan): loss and
+  gradients, and a prefill of ragged prompts, with `impl` for the matmuls
+  ("pallas": the matmul kernels in the layers' loop, fed and followed by
+  XLA's collectives), then 3 decode steps with "auto" (its decode kernel
+  where loops run), against impl="xla_bsp" on the same mesh: every element
+  within 3e-2 (gradients 5e-2) of the XLA result's largest magnitude."""
+  config, layers, batch, seq, cache_len = GPU_MODEL, 2, 8, 256, 512
+  gen = rng("gpu model", impl)
+  host = jax.tree.map(np.asarray, transformer.init_params(
+      jax.random.key(int(gen.integers(2**31))), config, layers))
+  tokens = gen.integers(0, config.vocab, (batch, seq)).astype(np.int32)
+  lengths = np.linspace(seq // 4, seq, batch).astype(np.int32)
+  specs = transformer.param_specs("tp")
+
+  def run(matmuls, decode):
+    ops = dict(config=config, axis_name="tp")
+    with jax.set_mesh(mesh):
+      params = jax.tree.map(lambda a, spec: put(mesh, a, spec), host, specs)
+      value, grads = jax.jit(functools.partial(transformer.loss_and_grads, impl=matmuls, **ops))(
+          params, put(mesh, tokens, P()), put(mesh, np.roll(tokens, -1, axis=1), P()))
+      logits, cache = jax.jit(functools.partial(
+          transformer.prefill, cache_len=cache_len, impl=matmuls, **ops))(
+              params, put(mesh, tokens, P()), put(mesh, lengths, P()))
+      step = jax.jit(functools.partial(transformer.decode_step, impl=decode, **ops))
+      seen = [gather(logits)]
+      for t in range(3):
+        logits, cache = step(params, put(mesh, tokens[:, t], P()), cache)
+        seen.append(gather(logits))
+    return gather(value), jax.tree.map(gather, grads), seen
+
+  got, want = run(impl, "auto"), run("xla_bsp", "xla_bsp")
+  assert_within(got[0], want[0], "loss", 3e-2)
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got[1])[0],
+                          jax.tree.leaves(want[1])):
+    assert_within(g, w, f"gradient {jax.tree_util.keystr(path)}", 5e-2)
+  for t, (g, w) in enumerate(zip(got[2], want[2])):
+    assert_within(g, w, "prefill logits" if t == 0 else f"decode step {t} logits", 3e-2)
+
+
+def scenario_gpu_model():
+  """P processes x 2+ GPUs, "tp" inside each: the model with the matmul
+  kernels and the decode kernel (`check_gpu_model`), and with impl="auto"."""
+  mesh = tp_inside()
+  check("support", check_support)
+  for impl in ("pallas", "auto"):
+    check(f"model_{impl}", check_gpu_model, mesh, impl)
+
+
 def scenario_gpu_code_on_cpu():
   """The GPU scenarios' checks on CPU devices with tiny shapes and the XLA
   paths (impl="auto" is XLA on CPU), so that their code runs in every test
   run; the kernels' own checks need the GPUs."""
-  global AG_SHAPE, DECODE_SHAPE  # pylint: disable=global-statement
+  global AG_SHAPE, DECODE_SHAPE, GPU_MODEL  # pylint: disable=global-statement
   AG_SHAPE, DECODE_SHAPE = (16, 64, 32), (2, 8, 2, 64, 64)
+  GPU_MODEL = dataclasses.replace(transformer.MODELS["tiny"], dtype=BF16)
   scenario_gpu_tp_inside(impl="auto")
+  check("model_auto", check_gpu_model, tp_inside(), "auto")
   mesh = tp_across()
   for name, fn in (("all_gather_matmul", check_gpu_all_gather_matmul),
                    ("flash_decode", check_gpu_flash_decode), ("layer_scan", check_gpu_layer_scan),
@@ -703,6 +772,7 @@ SCENARIOS = {
     "gpu_tp_inside": scenario_gpu_tp_inside,
     "gpu_tp_inside_auto": functools.partial(scenario_gpu_tp_inside, "auto"),
     "gpu_tp_across": scenario_gpu_tp_across,
+    "gpu_model": scenario_gpu_model,
     "gpu_code_on_cpu": scenario_gpu_code_on_cpu,
 }
 

@@ -322,6 +322,22 @@ def test_gpu_kernels_tp_inside_processes():
 
 
 @pytest.mark.gpu
+@pytest.mark.experimental
+@pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
+def test_gpu_model_tp_inside_processes():
+  """2 processes x 2 GPUs, "tp" inside each: the model (2 layers, bf16) with
+  the matmul kernels in its training step and prefill and the decode kernel
+  in its decode steps, and with impl="auto", against impl="xla_bsp".
+  Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`); not yet run
+  on GPUs."""
+  _gpus(4)
+  job = _gpu_job("gpu_model", 2, 2)
+  for name in ("support", "model_pallas", "model_auto"):
+    _assert_passed(job, name)
+  _assert_clean(job)
+
+
+@pytest.mark.gpu
 @pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
 def test_gpu_tp_across_processes():
   """One process per GPU (every GPU present, >= 2), "tp" across them: with
