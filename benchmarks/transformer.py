@@ -92,8 +92,10 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
-    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`; the table compares fused"
-    " and bsp).")
+    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_no_slice_fusion and"
+    " bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off, as multi-process jobs need"
+    " for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`); the table compares fused and"
+    " bsp.")
 _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"
     " run one process each, so that memory one D fragmented or held never fails the next D's"
@@ -159,23 +161,32 @@ def breakdown_ms(kernels, devices: int) -> dict[str, float]:
   return dict(sorted(totals.items(), key=lambda e: -e[1]))
 
 
+# XLA's compile options with its dynamic-slice fusion off (`platform.LOOP_FLAG`).
+_NO_SLICE_FUSION = (("xla_gpu_enable_dynamic_slice_fusion", False),)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """A model variant: the collective impl, flash_decode's, and whether the
-  matmul kernels meet inside the kernel (`dispatch.meet_inside_kernels`)."""
+  """A model variant: the collective impl, flash_decode's, whether the
+  matmul kernels meet inside the kernel (`dispatch.meet_inside_kernels`),
+  and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
   decode_impl: str | None
   entry: bool = False
+  compiler_options: tuple[tuple[str, object], ...] = ()
 
 
 def variants() -> tuple[Variant, ...]:
   """The --model_variants: fused (`auto`), bsp (the XLA paths, flash_decode
-  on its best BSP pipeline) and fused_entry (fused, the kernels meeting
-  inside)."""
+  on its best BSP pipeline), fused_entry (fused, the kernels meeting
+  inside), and fused / bsp without XLA's dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
-  known = {v.name: v for v in (Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
-                               Variant("fused_entry", "auto", None, entry=True))}
+  known = {v.name: v for v in (
+      Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
+      Variant("fused_entry", "auto", None, entry=True),
+      Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
+      Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
   if unknown:
     raise app.UsageError(f"--model_variants: unknown {unknown}; known: {sorted(known)}.")
@@ -327,9 +338,9 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
 
 def _compile(fn, variant: Variant, *args):
   """fn lowered and compiled for `args`, traced inside the variant's
-  `dispatch.meet_inside_kernels` switch."""
+  `dispatch.meet_inside_kernels` switch, with its compile options."""
   with dispatch.meet_inside_kernels(variant.entry):
-    return fn.lower(*args).compile()
+    return fn.lower(*args).compile(compiler_options=dict(variant.compiler_options) or None)
 
 
 def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:

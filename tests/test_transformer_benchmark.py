@@ -12,12 +12,14 @@ import pytest
 import testkit
 from benchmarks import model_table
 from benchmarks import transformer as bench
+from pallas_kernels import platform
 
 
 @pytest.fixture
 def quick_run(tmp_path):
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--quick", "--axis_sizes=2", "--model_layers=1",
                                           "--iterations=1", "--timeline_calls=1",
+                                          "--model_variants=fused,bsp,bsp_no_slice_fusion",
                                           f"--out_dir={tmp_path}"]):
     bench.main(None)
   return json.loads((tmp_path / "cpux8_transformer.json").read_text())
@@ -28,7 +30,7 @@ def test_a_quick_run_records_every_step_and_variant(quick_run):
   assert sorted(records) == sorted(
       f"tiny/D2/{step}/{shape}/{variant}" for step, shape in
       (("train", "b2_s64"), ("prefill", "b2_s64"), ("decode", "b8_s1024"))
-      for variant in ("fused", "bsp"))
+      for variant in ("fused", "bsp", "bsp_no_slice_fusion"))
   for r in records.values():
     assert r["status"] == "ok", r
     assert r["dispatch_ms"] > 0 and r["cupti_ms"] is None  # no CUPTI on CPU
@@ -118,10 +120,14 @@ def test_each_axis_size_gets_the_other_arguments_as_they_are():
 
 
 def test_variants_follow_the_flag_and_reject_unknown_names():
-  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fused_entry,bsp"]):
-    names = [(v.name, v.impl, v.entry) for v in bench.variants()]
-  assert names == [("fused", "auto", False), ("fused_entry", "auto", True),
-                   ("bsp", "xla_bsp", False)]
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fused_entry,bsp,"
+                                          "bsp_no_slice_fusion"]):
+    names = [(v.name, v.impl, v.entry, dict(v.compiler_options)) for v in bench.variants()]
+  assert names == [("fused", "auto", False, {}), ("fused_entry", "auto", True, {}),
+                   ("bsp", "xla_bsp", False, {}),
+                   ("bsp_no_slice_fusion", "xla_bsp", False,
+                    {"xla_gpu_enable_dynamic_slice_fusion": False})]
+  assert platform.LOOP_FLAG == "--xla_gpu_enable_dynamic_slice_fusion=false"  # the same option
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fast"]):
     with pytest.raises(app.UsageError, match="unknown.*fast"):
       bench.variants()
