@@ -126,8 +126,7 @@ def process_env(process_id: int, num_processes: int, port: int, *,
     env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices_per_process}"])
   if gpus_per_process is not None:
     flags = env.get("XLA_FLAGS", "").split()
-    loop_flag = platform.LOOP_FLAG.split("=")[0] + "="
-    if not any(f.startswith(loop_flag) for f in flags):
+    if not any(f.startswith(platform.LOOP_FLAG_NAME + "=") for f in flags):
       env["XLA_FLAGS"] = " ".join([*flags, platform.LOOP_FLAG])
     first = process_id * gpus_per_process
     ids = ",".join(map(str, range(first, first + gpus_per_process)))

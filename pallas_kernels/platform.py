@@ -136,7 +136,8 @@ def peer_access_reason() -> str | None:
 
 
 # The XLA flag that lets a kernel run inside a loop in a multi-process job.
-LOOP_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=false"
+LOOP_FLAG_NAME = "--xla_gpu_enable_dynamic_slice_fusion"
+LOOP_FLAG = f"{LOOP_FLAG_NAME}=false"
 
 
 def loop_fusion_reason(xla_flags: str | None = None) -> str | None:
@@ -156,8 +157,8 @@ def loop_fusion_reason(xla_flags: str | None = None) -> str | None:
   if jax.process_count() == 1:
     return None
   flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-  name = LOOP_FLAG.split("=")[0]
-  values = [f.split("=", 1)[1].lower() for f in flags.split() if f.startswith(name + "=")]
+  values = [f.split("=", 1)[1].lower() for f in flags.split()
+            if f.startswith(LOOP_FLAG_NAME + "=")]
   if values and values[-1] in ("false", "0"):
     return None
   return (
