@@ -670,13 +670,42 @@ def check_gpu_model(mesh, impl):
     assert_within(g, w, "prefill logits" if t == 0 else f"decode step {t} logits", 3e-2)
 
 
+def time_model_prefill(mesh, config=transformer.MODELS["8b"], seq: int = 4096,
+                       impls=("pallas", "xla_bsp")):
+  """Prints `TIME model_prefill <impl> <median> <min> <max>` (ms per call,
+  this process's view): a model's prefill of `seq` tokens (2 layers; by
+  default 8B-like, GPU-bound unlike the single ops' calls) with each of
+  `impls` (by default the matmul kernels and "xla_bsp"), in TIME_ROUNDS
+  interleaved rounds."""
+  layers = 2
+  gen = rng("gpu model time")
+  tokens = gen.integers(0, config.vocab, (1, seq)).astype(np.int32)
+  specs = transformer.param_specs("tp")
+  with jax.set_mesh(mesh):
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    params = jax.jit(lambda key: transformer.init_params(key, config, layers),
+                     out_shardings=shardings)(jax.random.key(0))
+    args = (params, put(mesh, tokens, P()))
+    fns = {impl: jax.jit(functools.partial(transformer.prefill, cache_len=seq, config=config,
+                                           axis_name="tp", impl=impl))
+           for impl in impls}
+    times = {impl: [] for impl in fns}
+    for _ in range(TIME_ROUNDS):
+      for impl, fn in fns.items():
+        times[impl].append(back_to_back_us(fn, *args, calls=5) / 1e3)
+  for impl, ms in times.items():
+    emit(f"TIME model_prefill {impl} {np.median(ms):.2f} {min(ms):.2f} {max(ms):.2f}")
+
+
 def scenario_gpu_model():
   """P processes x 2+ GPUs, "tp" inside each: the model with the matmul
-  kernels and the decode kernel (`check_gpu_model`), and with impl="auto"."""
+  kernels and the decode kernel (`check_gpu_model`), and with impl="auto";
+  then an 8B-like prefill timed with and without the matmul kernels."""
   mesh = tp_inside()
   check("support", check_support)
   for impl in ("pallas", "auto"):
     check(f"model_{impl}", check_gpu_model, mesh, impl)
+  time_model_prefill(mesh)
 
 
 def scenario_gpu_code_on_cpu():
@@ -688,6 +717,7 @@ def scenario_gpu_code_on_cpu():
   GPU_MODEL = dataclasses.replace(transformer.MODELS["tiny"], dtype=BF16)
   scenario_gpu_tp_inside(impl="auto")
   check("model_auto", check_gpu_model, tp_inside(), "auto")
+  time_model_prefill(tp_inside(), GPU_MODEL, seq=64, impls=("auto", "xla_bsp"))
   mesh = tp_across()
   for name, fn in (("all_gather_matmul", check_gpu_all_gather_matmul),
                    ("flash_decode", check_gpu_flash_decode), ("layer_scan", check_gpu_layer_scan),

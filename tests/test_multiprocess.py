@@ -262,8 +262,8 @@ SLOWDOWN_BOUND = 1.25
 
 
 def _times(lines) -> dict[tuple[str, str], float]:
-  """{(op, label): median µs} from a worker's `TIME <op> <label> <median>
-  <min> <max>` lines."""
+  """{(op, label): median} from a worker's `TIME <op> <label> <median>
+  <min> <max>` lines (µs for the ops, ms for the model)."""
   fields = (line[line.index("TIME "):].split() for line in lines if "TIME " in line)
   return {(f[1], f[2]): float(f[3]) for f in fields}
 
@@ -327,7 +327,9 @@ def test_gpu_kernels_tp_inside_processes():
 def test_gpu_model_tp_inside_processes():
   """2 processes x 2 GPUs, "tp" inside each: the model (2 layers, bf16) with
   the matmul kernels in its training step and prefill and the decode kernel
-  in its decode steps, and with impl="auto", against impl="xla_bsp".
+  in its decode steps, and with impl="auto", against impl="xla_bsp"; then an
+  8B-like prefill timed with the matmul kernels and with xla_bsp (printed:
+  what would let `auto` take the matmul kernels across processes).
   Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`); not yet run
   on GPUs."""
   _gpus(4)
@@ -335,6 +337,8 @@ def test_gpu_model_tp_inside_processes():
   for name in ("support", "model_pallas", "model_auto"):
     _assert_passed(job, name)
   _assert_clean(job)
+  for process, lines in enumerate(job.outputs):
+    print(f"process {process}:", {key: f"{t:.2f} ms" for key, t in _times(lines).items()})
 
 
 @pytest.mark.gpu
