@@ -495,6 +495,19 @@ def _await_peer_halves(landed, count: int, sm, wg) -> None:
     pl.semaphore_wait(landed.at[0], count, decrement=False)
 
 
+def _await_every_owner_ready(ready, d: int, zeroers: int, first) -> None:
+  """At a block's first tile (`first`), waits until every owner has zeroed
+  its output (`ready`, announced by its `zeroers` blocks' two warpgroups):
+  for blocks whose tiles change owner at almost every tile (interleave,
+  whole_rows), one wait for all instead of one per change of owner."""
+  @pl.when(first)
+  @jax.named_scope("wait_ready")
+  def _():
+    for o in range(d):
+      pl.semaphore_wait(ready.at[o], 2 * zeroers, decrement=False)
+    signals.async_proxy_fence()
+
+
 def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   """config.entry: the handshake's semaphores, its porter run at once by
   block 0's first warpgroup; the writers call `wait()` on the result."""
@@ -713,12 +726,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
             pl.semaphore_wait(first_in.at[step, t, wg], 1, decrement=False)
             signals.async_proxy_fence()
         if ready is not None and interleave:  # a block's tiles go to every owner in turn
-          @pl.when(info.local_index == 0)
-          @jax.named_scope("wait_ready")
-          def _():
-            for o in range(d):
-              pl.semaphore_wait(ready.at[o], 2 * zeroers, decrement=False)
-            signals.async_proxy_fence()
+          _await_every_owner_ready(ready, d, zeroers, info.local_index == 0)
         elif ready is not None:  # once per owner: the block's first tile of each step
           @pl.when((info.local_index == 0) | ((lin - grid) // per_step != step))
           @jax.named_scope("wait_ready")
@@ -866,13 +874,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
         if meet:  # before the warpgroup's first write into a peer
           pl.when(info.local_index == 0)(peers_in.wait)
         pl.when(info.local_index > 0)(announce)
-
-        @pl.when(info.local_index == 0)
-        @jax.named_scope("wait_ready")
-        def _():
-          for o in range(d):
-            pl.semaphore_wait(ready.at[o], 2 * zeroers, decrement=False)
-          signals.async_proxy_fence()
+        _await_every_owner_ready(ready, d, zeroers, info.local_index == 0)
 
       with jax.named_scope("tile"):
         core(scratch, x_ref.at[:, ks], b_cols, stores(i), after_k=after_k, **order)
