@@ -100,7 +100,10 @@ def meet_inside_kernels(enabled: bool = True):
   managers: it applies to what is traced (jitted) inside it. Experimental:
   the switch that `benchmarks.transformer --model_variants=fused_entry` measures
   in a model, where XLA's barrier kernels and the gaps around them took
-  2.6-2.8 ms of a 50 ms prefill at D = 4 (4 H200s, session 31)."""
+  2.6-2.8 ms of a 50 ms prefill at D = 4 (4 H200s, session 31). Measured
+  slower on 4 H100s (session 32: prefill 1-2%, training 4-28%), on a host
+  that ran long kernels at half speed: kept for a re-measure on a full-speed
+  one, not used by default."""
   token = _MEET_INSIDE.set(enabled)
   try:
     yield
