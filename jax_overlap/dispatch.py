@@ -21,6 +21,8 @@ import dataclasses
 import logging
 
 import jax
+from jax import lax
+import jax.numpy as jnp
 
 from pallas_kernels import platform
 
@@ -122,6 +124,21 @@ def for_this_job(config):
   if jax.process_count() > 1 or _MEET_INSIDE.get():
     return dataclasses.replace(config, entry=True)
   return config
+
+
+def kernel_operand(x: jax.Array, axis_name: str) -> jax.Array:
+  """`x` as a matmul kernel's activation operand in this job: itself in one
+  process; in a multi-process job, the output of an XLA fusion (an exact
+  identity, NaNs kept, that XLA cannot fold: a select on the device's axis
+  index). There XLA places a Mosaic kernel's operands in collective memory,
+  and where the operand is another custom call's output (cuDNN attention's,
+  feeding the o projection) the program fails at run time with
+  `raw_hash_map<>::at` (2 x 1 H200s and 2 x 2 H100s, session 33; the same
+  program with an elementwise fusion in between runs). Costs one read and
+  write of x, in multi-process jobs only."""
+  if jax.process_count() == 1:
+    return x
+  return jnp.where(lax.axis_index(axis_name) >= 0, x, jnp.zeros((), x.dtype))
 
 
 def barrier_caveat(config) -> str | None:

@@ -59,6 +59,32 @@ def flash_decode(q, k, v, kv_lens=None, scale=None) -> np.ndarray:
   return out
 
 
+# Unit roundoff of the kernels' output dtypes.
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def reduce_scatter_bound(ref, abs_sum, d: int, dtype, k_total: int) -> np.ndarray:
+  """Per-element error bound of a sum of D float32-accumulated partials
+  p_j that are rounded to `dtype` and added in it (D - 1 rounded adds), as
+  the fused matmul + reduce-scatter and the bf16 BSP exchange both do:
+  2u (sum_j |p_j| + (D - 1) |ref|) + K_total 2^-22 rms(ref).
+
+  Args:
+    ref: the exact sum, sum_j p_j (float32 or float64), any shape.
+    abs_sum: sum_j |p_j|, same shape.
+    d: the number of partials D.
+    dtype: the output dtype (bf16 or fp16), whose unit roundoff u sets it.
+    k_total: the contraction length over all partials.
+
+  A missing or stale partial, a tile added twice or a wrong row block is off
+  by about rms(p_j), many times the bound.
+  """
+  ref, abs_sum = np.asarray(ref, np.float64), np.asarray(abs_sum, np.float64)
+  rms = math.sqrt(float(np.mean(np.square(ref)))) if ref.size else 0.0
+  u = UNIT_ROUNDOFF[np.dtype(dtype).name]
+  return 2 * u * (abs_sum + (d - 1) * np.abs(ref)) + k_total * 2.0**-22 * rms
+
+
 def rtol(dtype) -> float:
   """Allowed error of `dtype` outputs, as a fraction of the output's scale."""
   return _RTOL[np.dtype(dtype).name]

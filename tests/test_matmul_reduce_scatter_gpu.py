@@ -34,13 +34,13 @@ import jax_overlap
 from benchmarks import shapes
 from pallas_kernels import matmul_reduce_scatter as kernel
 from pallas_kernels import platform
+import reference
 
 TIMEOUT = pytest.mark.timeout(300, method="thread")
 pytestmark = [pytest.mark.gpu, TIMEOUT]
 
 AXIS = "x"
 BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
-_UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11}
 X_SPEC, W_SPEC, OUT_SPEC = P(None, AXIS), P(AXIS, None), P(AXIS, None)
 
 # (M, K_shard, N): the benchmark shapes (decode-size M included), then odd
@@ -85,10 +85,7 @@ def _check(out: jax.Array, partials: np.ndarray, dtype, what: str, k_total: int)
   dtype = jnp.dtype(dtype)
   assert out.shape == (m, n) and out.dtype == dtype, (what, out.shape, out.dtype)
   ref = partials.sum(axis=0)
-  rms = float(np.sqrt(np.mean(np.square(ref, dtype=np.float64))))
-  u = _UNIT_ROUNDOFF[dtype]
-  bound = 2 * u * (np.abs(partials).sum(axis=0) + (d - 1) * np.abs(ref))
-  bound += k_total * 2.0**-22 * rms
+  bound = reference.reduce_scatter_bound(ref, np.abs(partials).sum(axis=0), d, dtype, k_total)
   failures = []
   for shard in out.addressable_shards:
     rows = shard.index[0]

@@ -188,6 +188,7 @@ CPU_CHECKS = [
     *(f"{op}_{impl}" for op in ("all_gather_matmul", "matmul_reduce_scatter")
       for impl in ("xla_bsp", "xla_ring", "auto")),
     "flash_decode_xla_bsp", "flash_decode_auto", "all_gather_matmul_tp_across", "model_auto",
+    "kernel_operand",
 ]
 
 
@@ -197,7 +198,8 @@ def test_two_processes_on_cpu(cpu_job, name):
   layout (None where NCCL has peer pointers, else the reason); the ops over
   ("dp", "tp") = (2, 4) against float64 NumPy; all_gather_matmul with "tp"
   across the processes; model_auto: forward, training gradients and 8 decode
-  steps."""
+  steps; kernel_operand: `dispatch.kernel_operand` is the identity, bit for
+  bit, and XLA keeps its select."""
   _assert_passed(cpu_job, name)
 
 
@@ -330,11 +332,15 @@ def test_gpu_model_tp_inside_processes():
   in its decode steps, and with impl="auto", against impl="xla_bsp"; then an
   8B-like prefill timed with the matmul kernels and with xla_bsp (printed:
   what would let `auto` take the matmul kernels across processes).
-  Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`); not yet run
-  on GPUs."""
+  Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`). Session 33
+  (4 H100s): the training step and decode passed; prefill with the kernels
+  failed at run time (`raw_hash_map<>::at`: cuDNN attention's output fed
+  straight to the RS kernel), fixed by `dispatch.kernel_operand` (verified
+  in 2 processes x 1 H200, not yet in this 2 x 2 job)."""
   _gpus(4)
   job = _gpu_job("gpu_model", 2, 2)
-  for name in ("support", "model_pallas", "model_auto"):
+  for name in ("support", "model_prefill_pallas", "model_prefill_auto", "model_decode_auto",
+               "model_train_pallas", "model_train_auto"):
     _assert_passed(job, name)
   _assert_clean(job)
   for process, lines in enumerate(job.outputs):
