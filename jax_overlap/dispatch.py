@@ -31,10 +31,11 @@ logger = logging.getLogger("jax_overlap")
 # Why "auto" keeps the matmul kernels out of multi-process jobs.
 MULTI_PROCESS_REASON = (
     "in a multi-process job (jax.process_count() > 1) impl='auto' takes the XLA path for the"
-    " matmul ops: there the kernels, meeting their peers inside the kernel, ran level with it"
-    " (2 processes x 2 H100s, wall-clock medians: all_gather_matmul 1.00x,"
-    " matmul_reduce_scatter 0.93-1.04x; BUILD.md, multi-process jobs). impl='pallas' runs them"
-    " where NCCL allows.")
+    " matmul ops until the kernels are measured ahead there in every step of a model: single"
+    " calls ran level with it (2 processes x 2 H100s, host-bound), an 8B-like prefill 1.17x"
+    " faster, the training step is not measured yet, and the in-kernel handshake that such"
+    " jobs need ran slower than XLA's barrier in a one-process training step (BUILD.md,"
+    " multi-process jobs). impl='pallas' runs them where NCCL allows.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -724,46 +724,50 @@ def check_gpu_model(mesh, impl, step):
     assert_within(g, w, name, 5e-2 if name.startswith("gradient") else 3e-2)
 
 
-def time_model_prefill(mesh, config=transformer.MODELS["8b"], seq: int = 4096,
-                       impls=("pallas", "xla_bsp")):
-  """Prints `TIME model_prefill <impl> <median> <min> <max>` (ms per call,
-  this process's view): a model's prefill of `seq` tokens (2 layers; by
-  default 8B-like, GPU-bound unlike the single ops' calls) with each of
-  `impls` (by default the matmul kernels and "xla_bsp"), in TIME_ROUNDS
-  interleaved rounds."""
+def time_model(mesh, config=transformer.MODELS["8b"], seq: int = 4096,
+               impls=("pallas", "xla_bsp")):
+  """Prints `TIME model_<step> <impl> <median> <min> <max>` (ms per call,
+  this process's view) for the prefill of `seq` tokens and the training step
+  on them (2 layers; by default 8B-like, GPU-bound unlike the single ops'
+  calls) with each of `impls` (by default the matmul kernels and "xla_bsp"),
+  in TIME_ROUNDS interleaved rounds."""
   layers = 2
   gen = rng("gpu model time")
   tokens = gen.integers(0, config.vocab, (1, seq)).astype(np.int32)
   specs = transformer.param_specs("tp")
+  ops = dict(config=config, axis_name="tp")
   with jax.set_mesh(mesh):
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
     params = jax.jit(lambda key: transformer.init_params(key, config, layers),
                      out_shardings=shardings)(jax.random.key(0))
-    args = (params, put(mesh, tokens, P()))
-    fns = {impl: jax.jit(functools.partial(transformer.prefill, cache_len=seq, config=config,
-                                           axis_name="tp", impl=impl))
-           for impl in impls}
-    times = {impl: [] for impl in fns}
+    placed = put(mesh, tokens, P())
+    steps = {"prefill": (functools.partial(transformer.prefill, cache_len=seq, **ops),
+                         (params, placed)),
+             "train": (functools.partial(transformer.loss_and_grads, **ops),
+                       (params, placed, put(mesh, np.roll(tokens, -1, axis=1), P())))}
+    fns = {(step, impl): (jax.jit(functools.partial(fn, impl=impl)), args)
+           for step, (fn, args) in steps.items() for impl in impls}
+    times = {key: [] for key in fns}
     for _ in range(TIME_ROUNDS):
-      for impl, fn in fns.items():
-        times[impl].append(back_to_back_us(fn, *args, calls=5) / 1e3)
-  for impl, ms in times.items():
-    emit(f"TIME model_prefill {impl} {np.median(ms):.2f} {min(ms):.2f} {max(ms):.2f}")
+      for key, (fn, args) in fns.items():
+        times[key].append(back_to_back_us(fn, *args, calls=5) / 1e3)
+  for (step, impl), ms in times.items():
+    emit(f"TIME model_{step} {impl} {np.median(ms):.2f} {min(ms):.2f} {max(ms):.2f}")
 
 
 def scenario_gpu_model(steps: str = ",".join(MODEL_STEPS), timed: str = "timed"):
   """P processes x 2+ GPUs, "tp" inside each: each of the model's `steps`
   (comma-separated, of MODEL_STEPS) with the matmul kernels ("pallas") and
   with "auto" (decode with "auto" only; `check_gpu_model`); then, unless
-  `timed` is "untimed", an 8B-like prefill timed with and without the matmul
-  kernels."""
+  `timed` is "untimed", an 8B-like prefill and training step timed with and
+  without the matmul kernels (`time_model`)."""
   mesh = tp_inside()
   check("support", check_support)
   for step in steps.split(","):
     for impl in ("auto",) if step == "decode" else ("pallas", "auto"):
       check(f"model_{step}_{impl}", check_gpu_model, mesh, impl, step)
   if timed != "untimed":
-    time_model_prefill(mesh)
+    time_model(mesh)
 
 
 def scenario_gpu_code_on_cpu():
@@ -776,7 +780,7 @@ def scenario_gpu_code_on_cpu():
   scenario_gpu_tp_inside(impl="auto")
   for step in MODEL_STEPS:
     check(f"model_{step}_auto", check_gpu_model, tp_inside(), "auto", step)
-  time_model_prefill(tp_inside(), GPU_MODEL, seq=64, impls=("auto", "xla_bsp"))
+  time_model(tp_inside(), GPU_MODEL, seq=64, impls=("auto", "xla_bsp"))
   mesh = tp_across()
   for name, fn in (("all_gather_matmul", check_gpu_all_gather_matmul),
                    ("flash_decode", check_gpu_flash_decode), ("layer_scan", check_gpu_layer_scan),

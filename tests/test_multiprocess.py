@@ -330,13 +330,16 @@ def test_gpu_model_tp_inside_processes():
   """2 processes x 2 GPUs, "tp" inside each: the model (2 layers, bf16) with
   the matmul kernels in its training step and prefill and the decode kernel
   in its decode steps, and with impl="auto", against impl="xla_bsp"; then an
-  8B-like prefill timed with the matmul kernels and with xla_bsp (printed:
-  what would let `auto` take the matmul kernels across processes).
-  Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`). Session 33
-  (4 H100s): the training step and decode passed; prefill with the kernels
-  failed at run time (`raw_hash_map<>::at`: cuDNN attention's output fed
-  straight to the RS kernel), fixed by `dispatch.kernel_operand` (verified
-  in 2 processes x 1 H200, not yet in this 2 x 2 job)."""
+  8B-like prefill and training step timed with the matmul kernels and with
+  xla_bsp (printed: what would let `auto` take the matmul kernels across
+  processes). Experimental: needs NCCL >= 2.29.2 (`benchmarks.slim_nccl`).
+  Session 33 (4 H100s): every check passed once the matmul ops passed their
+  activation through `dispatch.kernel_operand` (before, prefill with the
+  kernels failed at run time, `raw_hash_map<>::at`: cuDNN attention's output
+  fed straight to the RS kernel); the 8B-like prefill took 4.00-4.01 ms with
+  the kernels against 4.66-4.68 with xla_bsp in both processes
+  (results/h100x4_multiprocess_model_2x2.log); the training step was not
+  timed yet."""
   _gpus(4)
   job = _gpu_job("gpu_model", 2, 2)
   for name in ("support", "model_prefill_pallas", "model_prefill_auto", "model_decode_auto",
