@@ -21,8 +21,9 @@ Scenarios:
     inside each process: impl="pallas" and "auto" against impl="xla_bsp",
     element by element, repeated calls, layer scans (one mixing the kernels
     with XLA's collectives, which across processes needs
-    `platform.LOOP_FLAG` in XLA_FLAGS); then back-to-back timings (`TIME`
-    lines). With P = 1 it is the single-process baseline.
+    `platform.LOOP_FLAG` in XLA_FLAGS); then back-to-back timings of the ops
+    and of an 8B-like model's prefill and training step (`TIME` lines). With
+    P = 1 it is the single-process baseline.
   gpu_tp_inside_auto: the same with impl="auto" only (no timings).
   gpu_model [STEPS [untimed]]: P processes x 2+ GPUs, "tp" inside each: the model's
     prefill, decode steps and training step (or those of STEPS, e.g.
@@ -657,6 +658,7 @@ def scenario_gpu_tp_inside(impl: str = "pallas"):
   if impl == "pallas":
     # Not on CPU: there ~50 cross-process calls in flight deadlock gloo.
     time_ops(mesh, impl)
+    time_model(mesh)  # GPU-bound, unlike the single ops' calls
 
 
 # The model's GPU check: shapes every kernel tiles at D = 2 and 4 (those of

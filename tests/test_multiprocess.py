@@ -261,6 +261,10 @@ def test_gpu_tp_inside_processes():
 # wall-clock timing, tight enough to catch XLA's barrier across processes
 # (1095-1206 µs against 174-178, sessions 30-31). Issue 33's target is 1.05.
 SLOWDOWN_BOUND = 1.25
+# The same for the 8B-like model's steps with the matmul kernels (ms per
+# step, GPU-bound: the spread of the ops' host-bound calls does not reach
+# them). Issue 33's target is 1.05.
+MODEL_SLOWDOWN_BOUND = 1.10
 
 
 def _times(lines) -> dict[tuple[str, str], float]:
@@ -286,7 +290,8 @@ def test_gpu_kernels_tp_inside_processes():
   """The kernels (impl="pallas") in the same 2 x 2 layout, then 1 process x 2
   GPUs as the single-process baseline: the checks, and the timings side by
   side (interleaved rounds per process; printed), each matmul kernel in the
-  2 x 2 job within SLOWDOWN_BOUND of its single-process time.
+  2 x 2 job within SLOWDOWN_BOUND of its single-process time and the 8B-like
+  model's prefill and training step with them within MODEL_SLOWDOWN_BOUND.
 
   Experimental because it needs an NCCL this project's GPU machines lack:
   jaxlib 0.11.2's NCCL 2.28.9 has no ncclGetPeerDevicePointer, and the
@@ -304,12 +309,17 @@ def test_gpu_kernels_tp_inside_processes():
   multi-process jobs) 146-151 (results/h200x4_multiprocess_2x2.log). On 4
   H100s (session 32, medians of 5 rounds, µs, process 0 / 1 / one process):
   all_gather_matmul 163.1 / 160.2 / 260.4, matmul_reduce_scatter 139.9 /
-  144.4 / 216.4 (results/h100x4_multiprocess_2x2.log)."""
+  144.4 / 216.4 (results/h100x4_multiprocess_2x2.log); session 33, same
+  machine kind, the mixed scan passing: 226.4 / 274.2 / 222.5 and 232.9 /
+  229.1 / 199.3, with xla_bsp's single calls 1.3-1.6x slower in 2 x 2 than
+  in one process too (host-bound calls; results/
+  h100x4_multiprocess_2x2_session33.log): hence the model's steps."""
   _gpus(4)
   job = _gpu_job("gpu_tp_inside", 2, 2)
   baseline = _gpu_job("gpu_tp_inside", 1, 2)
   times = [_times(lines) for lines in (*job.outputs, baseline.outputs[0])]
-  print(f"{'op':<22} {'impl':<13} {'2x2 p0':>8} {'2x2 p1':>8} {'1x2':>8}  (µs per call, medians)")
+  print(f"{'op':<22} {'impl':<13} {'2x2 p0':>8} {'2x2 p1':>8} {'1x2':>8}"
+        "  (medians: µs per call, ms per model step)")
   for key in times[-1]:
     print(f"{key[0]:<22} {key[1]:<13}", *(f"{t.get(key, float('nan')):8.1f}" for t in times))
   for name in ("support", "all_gather_matmul_pallas", "flash_decode_pallas",
@@ -321,6 +331,11 @@ def test_gpu_kernels_tp_inside_processes():
     alone = times[-1][op, "pallas"]
     for process in times[:-1]:
       assert process[op, "pallas"] <= SLOWDOWN_BOUND * alone, (op, process[op, "pallas"], alone)
+  for step in ("model_prefill", "model_train"):
+    alone = times[-1][step, "pallas"]
+    for process in times[:-1]:
+      assert process[step, "pallas"] <= MODEL_SLOWDOWN_BOUND * alone, (
+          step, process[step, "pallas"], alone)
 
 
 @pytest.mark.gpu
