@@ -50,8 +50,11 @@ while the others attend, and a block waits for it before its first store
 into a peer, so no device writes into a peer before that peer has entered.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler: attend,
-deliver (inside attend), publish (a block's last peer signals), merge, and
-inside merge wait_partials, fold (one source's partials) and store_out.
+deliver (inside attend; inside it wait_entry, the wait for the peers to have
+entered before a block's first store into them), publish (a block's last
+peer signals; inside it stores_land, the wait for its stores into the peers
+to complete), merge, and inside merge wait_partials, fold (one source's
+partials) and store_out.
 
 Exchange seam: with `Received`, the peers' partials are an input; each item
 copies its peers' rows from it into the receive buffers where the peers would
@@ -339,7 +342,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         signals.signal(ready.at[bh // per_tile, me])
         if remote:
           pl.when(item >= grid)(lambda: publish(item - grid))
-          pl.when(item < grid)(peers_in.wait)  # the block's first store into a peer
+          with jax.named_scope("wait_entry"):  # before the block's first store into a peer
+            pl.when(item < grid)(peers_in.wait)
           for dev in peers:
             store(plgpu.remote_ref(recv_o, {axis_name: dev}),
                   plgpu.remote_ref(recv_lse, {axis_name: dev}))
@@ -538,7 +542,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         @pl.when(sm < items)
         @jax.named_scope("publish")
         def _():  # the block's last item
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          with jax.named_scope("stores_land"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           publish(sm + (items - 1 - sm) // grid * grid)
 
     pl.run_scoped(phase1,
