@@ -109,9 +109,9 @@ def _small_m_rule(p: Problem) -> str | None:
 
 
 def _run_kernel(x, w, axis_name, config, return_gathered: bool, w_transposed: bool):
-  return kernel.all_gather_matmul(dispatch.kernel_operand(x, axis_name), w, axis_name=axis_name, config=config,
-                                  num_sms=platform.num_sms(), return_gathered=return_gathered,
-                                  w_transposed=w_transposed)
+  return kernel.all_gather_matmul(dispatch.kernel_operand(x, axis_name), w, axis_name=axis_name,
+                                  config=config, num_sms=platform.num_sms(),
+                                  return_gathered=return_gathered, w_transposed=w_transposed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

@@ -107,7 +107,8 @@ def _rows_rule(p: Problem) -> str | None:
 
 
 def _run_kernel(x, w, axis_name, config, w_transposed: bool):
-  return kernel.matmul_reduce_scatter(dispatch.kernel_operand(x, axis_name), w, axis_name=axis_name, config=config,
+  return kernel.matmul_reduce_scatter(dispatch.kernel_operand(x, axis_name), w,
+                                      axis_name=axis_name, config=config,
                                       num_sms=platform.num_sms(), w_transposed=w_transposed)
 
 
