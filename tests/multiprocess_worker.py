@@ -322,7 +322,7 @@ def scenario_crash():
 # --- GPU ---------------------------------------------------------------------------
 
 BF16 = jnp.bfloat16
-_U = 2.0**-8  # bf16's unit roundoff
+_U = reference.UNIT_ROUNDOFF["bfloat16"]
 
 
 def assert_elementwise(got, want, what: str, ulps: float = 2) -> None:

@@ -35,6 +35,7 @@ from benchmarks import shapes
 from pallas_kernels import all_gather_matmul as kernel
 from pallas_kernels import gemm_core
 from pallas_kernels import platform
+import reference
 
 # A kernel that loses a signal hangs in native code, which only the thread
 # method can interrupt (it fails the test, dumps every thread's stack and ends
@@ -44,7 +45,6 @@ pytestmark = [pytest.mark.gpu, TIMEOUT]
 
 AXIS = "x"
 BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
-_UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11}
 
 # Per-shard (M_shard, K, N_shard).
 DEFAULT_SHAPES = [(s.m_shard, s.k, s.n_shard) for s in shapes.ALL_GATHER_MATMUL]
@@ -136,7 +136,7 @@ def _check(actual: jax.Array, expected: np.ndarray, dtype, k: int, what: str,
   assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected {dtype}"
   rms = float(np.sqrt(np.mean(np.square(expected, dtype=np.float64))))
   atol = k * 2.0**-22 * rms
-  rtol = 2 * _UNIT_ROUNDOFF[dtype]
+  rtol = 2 * reference.UNIT_ROUNDOFF[dtype.name]
   failures = []
   for shard in actual.addressable_shards:
     got = np.asarray(shard.data).astype(np.float32)

@@ -2,6 +2,7 @@
 that each dtype's tolerance rejects the wrong answers the op tests guard
 against (while accepting the correctly rounded answer)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -74,3 +75,27 @@ def test_tolerance_accepts_rounding_and_rejects_wrong_answer(dtype, wrong):
     reference.assert_close(good.astype(dtype), good, dtype)
     with pytest.raises(AssertionError, match="exceeds"):
       reference.assert_close(bad.astype(dtype), good, dtype)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_reduce_scatter_bound_accepts_bf16_adds_in_any_order_and_rejects_a_lost_partial(d):
+  """The bound of D bf16-rounded partials added in bf16 holds for two
+  different summation orders (the kernel's and a ring's), and rejects the
+  answers the RS checks guard against: a partial missing or added twice."""
+  bf16 = ml_dtypes.bfloat16
+  rng = np.random.default_rng(d)
+  k_total, shape = 64 * d, (64, 96)
+  partials = rng.standard_normal((d, *shape)) / np.sqrt(d)  # rms(sum) ~ 1
+  ref = partials.sum(axis=0)
+  bound = reference.reduce_scatter_bound(ref, np.abs(partials).sum(axis=0), d, bf16, k_total)
+
+  def summed(order):
+    acc = partials[order[0]].astype(bf16)
+    for j in order[1:]:
+      acc = (acc.astype(np.float32) + partials[j].astype(bf16).astype(np.float32)).astype(bf16)
+    return acc.astype(np.float64)
+
+  for order in (range(d), range(d - 1, -1, -1)):
+    assert np.all(np.abs(summed(list(order)) - ref) <= bound)
+  assert np.any(np.abs(summed(list(range(1, d))) - ref) > bound)  # partial 0 lost
+  assert np.any(np.abs(summed([0, *range(d)]) - ref) > bound)  # partial 0 twice
