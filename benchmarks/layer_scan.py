@@ -1,6 +1,7 @@
 """Each op and its main baselines called once per layer in a `lax.scan`.
 
-    python -m benchmarks.layer_scan [--layers=16] [--iterations=50] [--out_dir=...]
+    python -m benchmarks.layer_scan [--layers=16] [--iterations=50] [--ops=flash_decode]
+        [--out_dir=...]
 
 A model calls these ops once per layer inside one jitted step, not once per
 dispatch. Per function, two pairs of figures (µs, per device):
@@ -38,6 +39,8 @@ from benchmarks import spmd
 from pallas_kernels import platform
 
 _LAYERS = flags.DEFINE_integer("layers", 16, "Layers L of the scan.")
+_OPS = flags.DEFINE_multi_enum("ops", ["all_gather_matmul", "flash_decode"],
+                               ["all_gather_matmul", "flash_decode"], "The ops to time.")
 # --iterations (0: 50) and --out_dir are benchmarks.runner's flags.
 AXIS = spmd.AXIS
 
@@ -115,6 +118,8 @@ def main(_) -> None:
   layers, records = _LAYERS.value, []
   iterations = flags.FLAGS.iterations or 50
   for op, op_shapes, functions in OPS:
+    if op not in _OPS.value:
+      continue
     for shape in op_shapes:
       floor = harness.Floor.of(shape, mesh.size, jnp.dtype(jnp.bfloat16).itemsize)
       print(f"== {op} {shape}: floor {floor.us:.1f} µs ({floor.bound})", flush=True)
