@@ -16,9 +16,10 @@ K/V byte is read once. Steps past the sequence's end are not loaded; a split
 with no valid position publishes an empty partial (lse = -inf), so every wait
 below completes.
 
-Exchange. The item's Gp rows of the normalized output (float32) from its
-group's first (G of them its group's, Gp = G rounded up to 8 so that every
-group starts on an 8-row tile of the receive buffers) and its log-sum-exp
+Exchange. The item's Gp rows of the normalized output (float32, or q's
+dtype with `narrow_partials`) from its group's first (G of them its group's,
+Gp = G rounded up to 8 so that every group starts on an 8-row tile of the
+receive buffers) and its log-sum-exp
 (broadcast over LSE_COLS columns) are TMA-stored into every device's receive
 buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at row
 (b * Hkv + h) * Gp of slot me * splits + split, and the semaphore of (its
@@ -114,18 +115,29 @@ class FlashDecodeConfig:
       pipeline prologue on the critical path instead of D. Decode v19:
       GPU-tested at D = 4 (1-4% faster there), experimental at other D
       (`experimental_reason`); off by default.
+    narrow_partials: the partial outputs are exchanged in q's dtype instead
+      of float32 (`partial_dtype`): 40% fewer bytes into the peers at Dh =
+      128 (the log-sum-exps stay float32); the merge weighs them in float32,
+      and as its weights sum to 1 the rounding adds about one ulp of the
+      dtype at max |v| to the output. Decode v20, aimed at the D = 4
+      exchange (benchmarks/NOTES.md); experimental, off by default.
   """
   block_kv: int = 128
   splits: int = 1
   stages: int = 2
   combine_cols: int = 128
   merge_all: bool = False
+  narrow_partials: bool = False
+
+  def partial_dtype(self, dtype) -> jnp.dtype:
+    """The dtype of the exchanged partial outputs for q's `dtype`."""
+    return jnp.dtype(dtype if self.narrow_partials else jnp.float32)
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """The larger of the two phases' shared memory (they run one after the other)."""
     ring = self.stages * 2 * self.block_kv * head_dim * itemsize
     tiles = ROWS * (head_dim + self.block_kv) * itemsize  # q, P
-    staging = ROWS * (head_dim + LSE_COLS) * 4  # o, lse
+    staging = ROWS * (head_dim * self._partial_itemsize(itemsize) + LSE_COLS * 4)  # o, lse
     return max(ring + tiles + staging, self._merge_bytes(*self.merge_ring(itemsize), itemsize))
 
   def merge_ring(self, itemsize: int) -> tuple[int, int]:
@@ -140,8 +152,13 @@ class FlashDecodeConfig:
     return 1, 2 if self.merge_all else min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: fits
 
   def _merge_bytes(self, batch: int, stages: int, itemsize: int) -> int:
-    ring = stages * batch * ROWS * (self.combine_cols + LSE_MERGE_COLS) * 4
+    ring = stages * batch * ROWS * (
+        self.combine_cols * self._partial_itemsize(itemsize) + LSE_MERGE_COLS * 4)
     return ring + ROWS * self.combine_cols * itemsize  # + the output tile
+
+  def _partial_itemsize(self, itemsize: int) -> int:
+    """Bytes per element of the partial outputs, for q's `itemsize`."""
+    return itemsize if self.narrow_partials else 4
 
 
 # The fewest K/V steps (block_kv positions each) per split: see default_config.
@@ -216,6 +233,9 @@ def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | N
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
             " decode v19).")
+  if config.narrow_partials:
+    return ("config.narrow_partials is interpreter- and lowering-tested, not yet run on GPUs"
+            " (benchmarks/NOTES.md, decode v20).")
   return None
 
 
@@ -224,7 +244,8 @@ class Received:
   """The exchange seam: the peers' partials, given instead of received.
 
   Attributes:
-    o: [D * splits, R, Dh] float32, laid out like the kernel's recv_o; the
+    o: [D * splits, R, Dh] of `config.partial_dtype(q.dtype)`, laid out like
+      the kernel's recv_o; the
       slots of device `index` are ignored (the kernel computes them).
     lse: [D * splits, R, LSE_COLS] float32, likewise.
     index: the device whose output to compute, 0 <= index < D.
@@ -416,7 +437,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       lse = jnp.where(some, m + jnp.log(safe_l), -jnp.inf)
       if remote:  # the previous item's stores to the peers may still read the staging tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
+      o_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(o_smem.dtype)
       lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
       plgpu.commit_smem()
       deliver(o_smem, lse_smem, window, bh, me * splits + split, item)
@@ -464,7 +485,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         shift = jnp.where(m == -jnp.inf, 0.0, m)  # all empty: no NaN
         weights = [jnp.exp(lse - shift) for lse in lses]
         acc = functools.reduce(operator.add, (
-            plgpu.load(o_smem.at[i], layout=plgpu.Layout.WGMMA)
+            plgpu.load(o_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             * lax.broadcast_in_dim(w, (ROWS, cols), [0]) for i, w in enumerate(weights)))
         return combine(carry, (acc, m, functools.reduce(operator.add, weights)))
 
@@ -550,7 +571,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                   plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),
                   plgpu.Barrier(num_arrivals=1),
                   plgpu.SMEM((ROWS, config.block_kv), dtype, transforms=swizzled),
-                  plgpu.SMEM((ROWS, dh), jnp.float32),
+                  plgpu.SMEM((ROWS, dh), config.partial_dtype(dtype)),
                   plgpu.SMEM((ROWS, LSE_COLS), jnp.float32))
 
     def phase2(out_smem):
@@ -564,7 +585,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   out_types = (jax.ShapeDtypeStruct((b * hq, dh), dtype),
-               jax.ShapeDtypeStruct((partials, rows, dh), jnp.float32),
+               jax.ShapeDtypeStruct((partials, rows, dh), config.partial_dtype(dtype)),
                jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
   inputs = (q_rows, k, v) + (() if kv_lens is None else (kv_lens.astype(jnp.int32),))
   if not exchange:
