@@ -70,8 +70,8 @@ def setup(shape: shapes.FlashDecodeShape, mesh) -> dict:
   }
 
 
-def ours_fn(mesh, impl: str):
-  body = functools.partial(jax_overlap.flash_decode, axis_name=AXIS, impl=impl)
+def ours_fn(mesh, impl: str, config=None):
+  body = functools.partial(jax_overlap.flash_decode, axis_name=AXIS, impl=impl, config=config)
   return spmd.per_shard(body, mesh, (Q_SPEC, KV_SPEC, KV_SPEC), OUT_SPEC)
 
 

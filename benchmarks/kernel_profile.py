@@ -5,7 +5,8 @@
     python -m benchmarks.kernel_profile --op=matmul_reduce_scatter --shape=2048,4096,4096
 
 Runs the fused kernel and its exchange-free counterpart (all_gather_matmul:
-the core on the pre-gathered x; flash_decode: the kernel on the local slice;
+the core on the pre-gathered x; flash_decode: the kernel on the local slice,
+and the fused kernel with `narrow_partials` too;
 matmul_reduce_scatter: the same schedule storing every partial locally, and
 the kernel with each design on the base tiles, `rs_kernel.VARIANTS`)
 with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
@@ -53,6 +54,7 @@ from benchmarks import flash_decode as fd_bench
 from benchmarks import matmul_reduce_scatter as rs_bench
 from benchmarks import shapes
 from benchmarks import spmd
+from pallas_kernels import flash_decode as fd_kernel
 from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 
@@ -217,7 +219,11 @@ def _kernels(op: str, dims: tuple[int, ...]):
   inputs = fd_bench.setup(shape, mesh)
   args = (inputs["q"], inputs["k"], inputs["v"])
   kv_specs = (fd_bench.Q_SPEC, fd_bench.KV_SPEC, fd_bench.KV_SPEC)
+  narrow = dataclasses.replace(fd_kernel.default_config(
+      shape.b, shape.hkv, shape.hq, shape.s_total // mesh.size, shape.dh, fd_bench.DTYPE,
+      num_sms=platform.num_sms()), narrow_partials=True)
   return {"fused": (fd_bench.ours_fn(mesh, "pallas"), args),
+          "fused, narrow_partials": (fd_bench.ours_fn(mesh, "pallas", narrow), args),
           "local (no exchange)": (spmd.per_shard(fd_bench.local_kernel, mesh, kv_specs,
                                                  P(spmd.AXIS)), args)}
 
