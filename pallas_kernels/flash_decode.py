@@ -245,8 +245,8 @@ class Received:
 
   Attributes:
     o: [D * splits, R, Dh] of `config.partial_dtype(q.dtype)`, laid out like
-      the kernel's recv_o; the
-      slots of device `index` are ignored (the kernel computes them).
+      the kernel's recv_o; the slots of device `index` are ignored (the
+      kernel computes them).
     lse: [D * splits, R, LSE_COLS] float32, likewise.
     index: the device whose output to compute, 0 <= index < D.
   """
