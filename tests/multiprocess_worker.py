@@ -25,10 +25,10 @@ Scenarios:
     and of an 8B-like model's prefill and training step (`TIME` lines). With
     P = 1 it is the single-process baseline.
   gpu_tp_inside_auto: the same with impl="auto" only (no timings).
-  gpu_model [STEPS [untimed]]: P processes x 2+ GPUs, "tp" inside each: the model's
-    prefill, decode steps and training step (or those of STEPS, e.g.
-    "train,prefill") with the kernels, and with "auto", against
-    impl="xla_bsp".
+  gpu_model [STEPS [untimed]]: P processes x 2+ GPUs, "tp" inside each:
+    the model's prefill, decode steps and training step (or those of STEPS,
+    e.g. "train,prefill") with the kernels, and with "auto", against
+    impl="xla_bsp"; then timings, unless "untimed".
   gpu_tp_across: P processes x 1 GPU, "tp" across them: with an NCCL that
     lacks peer pointers the support check refuses the kernels and
     impl="pallas" raises, else impl="pallas" runs them, also in layer scans;
@@ -464,23 +464,36 @@ def _rs_entry_config(mesh):
 
 
 def _rs_reference(mesh, xs, ws):
-  """(ref, abs_sum), global [dp x M, N] float32, computed on the GPUs at
-  HIGHEST: the sum over "tp" of each device's partial x_j @ w_j, and the sum
-  of their magnitudes (for `reference.reduce_scatter_bound`)."""
+  """(ref, bound), global [dp x M, N]: the sum over "tp" of each device's
+  partial x_j @ w_j in float32, computed on the GPUs at HIGHEST, and the
+  per-element bound of D bf16-rounded partials added in bf16
+  (`reference.reduce_scatter_bound`: the kernel's and the bf16 BSP
+  exchange's rounding alike, so BSP is no reference at D >= 3)."""
   def partials(x, w):
     p = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return lax.psum(p, "tp"), lax.psum(jnp.abs(p), "tp")
 
   f = jax.jit(jax.shard_map(partials, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)),
                             out_specs=(P("dp", None), P("dp", None))))
-  return tuple(gather(a) for a in f(xs, ws))
+  ref, abs_sum = (gather(a) for a in f(xs, ws))
+  k_total = xs.shape[1]
+  return ref, reference.reduce_scatter_bound(ref, abs_sum, mesh.shape["tp"], BF16, k_total)
+
+
+def assert_reduce_scattered(out, ref, bound, what: str) -> None:
+  """Every element of the RS output `out` within `bound` of `ref` (both from
+  `_rs_reference`)."""
+  err = np.abs(gather(out).astype(np.float32) - ref)
+  bad = ~(err <= bound)  # NaN is bad
+  worst = np.argmax(np.where(bad, np.nan_to_num(err - bound, nan=np.inf), -np.inf))
+  assert not bad.any(), (
+      f"{what}: {bad.sum()} of {err.size} elements off, worst {err.flat[worst]:.3g} at"
+      f" {np.unravel_index(worst, err.shape)} (bound there {bound.flat[worst]:.3g})")
 
 
 def check_gpu_matmul_reduce_scatter(mesh, impl):
   """impl on the RS inputs, 3 calls, every element against the float32 sum
-  of the partials within the bound of D bf16-rounded partials added in bf16
-  (`reference.reduce_scatter_bound`; the bf16 BSP exchange rounds as much,
-  so it is no reference at D = 4)."""
+  of the partials (`_rs_reference`)."""
   m, k, n = AG_SHAPE[0] * mesh.shape["tp"], AG_SHAPE[1], AG_SHAPE[2]
   tp = mesh.shape["tp"]
   if impl == "pallas":
@@ -492,17 +505,10 @@ def check_gpu_matmul_reduce_scatter(mesh, impl):
       raise Skip(f"impl='pallas' does not accept it here: {e}") from e
   with jax.set_mesh(mesh):
     xs, ws = _placed_rs_inputs(mesh, "gpu mrs")
-    ref, abs_sum = _rs_reference(mesh, xs, ws)
-    bound = reference.reduce_scatter_bound(ref, abs_sum, tp, BF16, k)
+    ref, bound = _rs_reference(mesh, xs, ws)
     outs = [_rs_fn(mesh, impl)(xs, ws) for _ in range(3)]
     for i, out in enumerate(outs):
-      got = gather(out).astype(np.float32)
-      err = np.abs(got - ref)
-      bad = ~(err <= bound)
-      assert not bad.any(), (
-          f"matmul_reduce_scatter {impl}, call {i}: {bad.sum()} of {err.size} elements off,"
-          f" worst {err.max():.3g} at {np.unravel_index(np.argmax(err - bound), err.shape)}"
-          f" (bound there {bound.flat[np.argmax(err - bound)]:.3g})")
+      assert_reduce_scattered(out, ref, bound, f"matmul_reduce_scatter {impl}, call {i}")
 
 
 def check_gpu_flash_decode(mesh, impl):
@@ -610,7 +616,8 @@ def time_ops(mesh, impl: str):
   rounds that interleave every contender: each op with `impl` and xla_bsp,
   and the matmul kernels with `entry` named (in a multi-process job
   impl="pallas" takes it by default; `dispatch.for_this_job`), each checked
-  once against xla_bsp first."""
+  once first (the all-gather matmul against xla_bsp, the reduce-scatter
+  against `_rs_reference`)."""
   x, w = _ag_inputs(mesh, "gpu time")
   q, k, v, lens = _decode_inputs(mesh, "gpu time")
   tp = mesh.shape["tp"]
@@ -626,13 +633,14 @@ def time_ops(mesh, impl: str):
       contenders["all_gather_matmul", each] = _ag_fn(mesh, each), ag_args
       contenders["matmul_reduce_scatter", each] = _rs_fn(mesh, each), rs_args
       contenders["flash_decode", each] = _decode_fn(mesh, each), dec_args
-    for op, fn, entry_config, args in (
-        ("all_gather_matmul", _ag_fn, _ag_entry_config, ag_args),
-        ("matmul_reduce_scatter", _rs_fn, _rs_entry_config, rs_args)):
-      entry_fn = fn(mesh, "pallas", entry_config(mesh))
-      assert_elementwise(gather(entry_fn(*args)), gather(fn(mesh, "xla_bsp")(*args)),
-                         f"{op} pallas+entry")
-      contenders[op, "pallas+entry"] = entry_fn, args
+    ag_entry = _ag_fn(mesh, "pallas", _ag_entry_config(mesh))
+    assert_elementwise(gather(ag_entry(*ag_args)), gather(_ag_fn(mesh, "xla_bsp")(*ag_args)),
+                       "all_gather_matmul pallas+entry")
+    rs_entry = _rs_fn(mesh, "pallas", _rs_entry_config(mesh))
+    assert_reduce_scattered(rs_entry(*rs_args), *_rs_reference(mesh, *rs_args),
+                            "matmul_reduce_scatter pallas+entry")
+    contenders["all_gather_matmul", "pallas+entry"] = ag_entry, ag_args
+    contenders["matmul_reduce_scatter", "pallas+entry"] = rs_entry, rs_args
     times = {key: [] for key in contenders}
     for _ in range(TIME_ROUNDS):
       for key, (fn, args) in contenders.items():
