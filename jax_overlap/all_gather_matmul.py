@@ -158,7 +158,7 @@ def _pallas(x, w, axis_name, return_gathered, problem):
   return _fused(x, w, axis_name, _kernel_config(problem), return_gathered, problem.w_transposed)
 
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.loops_run(
                            tuned.measured_first(OP, _key, _small_m_rule)), _pallas_caveat),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))

@@ -28,16 +28,6 @@ from pallas_kernels import platform
 
 logger = logging.getLogger("jax_overlap")
 
-# Why "auto" keeps the matmul kernels out of multi-process jobs.
-MULTI_PROCESS_REASON = (
-    "in a multi-process job (jax.process_count() > 1) impl='auto' takes the XLA path for the"
-    " matmul ops until the kernels are measured ahead there in every step of a model: single"
-    " calls ran level with it (2 processes x 2 H100s, host-bound), an 8B-like prefill 1.17x"
-    " faster, the training step is not measured yet, and the in-kernel handshake that such"
-    " jobs need ran slower than XLA's barrier in a one-process training step (BUILD.md,"
-    " multi-process jobs). impl='pallas' runs them where NCCL allows.")
-
-
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """The implementation chosen for one call, why the others were not, and
@@ -66,21 +56,13 @@ def in_processes(problem, axis_name):
   return dataclasses.replace(problem, process_reason=platform.peer_access_reason())
 
 
-def single_process(rule: Support) -> Support:
-  """An auto rule that refuses every problem in a multi-process job
-  (`MULTI_PROCESS_REASON`) and is `rule` otherwise: for the matmul kernels,
-  measured no faster than BSP there."""
-  def check(problem) -> str | None:
-    if jax.process_count() > 1:
-      return MULTI_PROCESS_REASON
-    return rule(problem)
-  return check
-
-
 def loops_run(rule: Support) -> Support:
   """An auto rule that refuses every problem in a multi-process job whose
   loops would fail around a kernel (`platform.loop_fusion_reason`) and is
-  `rule` otherwise: for the decode kernel, 1.6-2x faster than BSP there."""
+  `rule` otherwise: the kernels' own rules and tables hold in such jobs, as
+  they ran at their single-process speed there (2 processes x 2 H200s,
+  session 34: an 8B-like prefill and training step with the matmul kernels
+  within 3% of one process's; the decode kernel 1.6-2x faster than BSP)."""
   def check(problem) -> str | None:
     return platform.loop_fusion_reason() or rule(problem)
   return check

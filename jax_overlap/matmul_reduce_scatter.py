@@ -145,7 +145,7 @@ def _fused_bwd(axis_name, config, w_transposed: bool, residuals, d_out):
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
-_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.single_process(
+_OP = dispatch.Op(OP, {"pallas": dispatch.Impl(_pallas_support, dispatch.loops_run(
                            tuned.measured_first(OP, _key, _rows_rule)), _pallas_caveat),
                        "xla_bsp": dispatch.Impl(), "xla_ring": dispatch.Impl()},
                   ("pallas", "xla_bsp"))

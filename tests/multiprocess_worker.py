@@ -32,7 +32,7 @@ Scenarios:
   gpu_tp_across: P processes x 1 GPU, "tp" across them: with an NCCL that
     lacks peer pointers the support check refuses the kernels and
     impl="pallas" raises, else impl="pallas" runs them, also in layer scans;
-    impl="auto" (XLA for the matmuls; the decode kernel where loops run);
+    impl="auto" (the kernels where loops run, `dispatch.loops_run`);
     results, repeated calls and a layer scan against impl="xla_bsp".
 """
 

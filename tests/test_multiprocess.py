@@ -247,8 +247,10 @@ GPU_INSIDE_CHECKS = ["support", "all_gather_matmul_auto", "flash_decode_auto",
 @pytest.mark.timeout(GPU_TIMEOUT_S + 60, method="thread")
 def test_gpu_tp_inside_processes():
   """2 processes x 2 GPUs, ("dp", "tp") = (2, 2), "tp" inside each process:
-  impl="auto" (the XLA paths in a multi-process job, `dispatch.single_process`)
-  against impl="xla_bsp" element by element, repeated calls, a layer scan."""
+  impl="auto" (the kernels where one process would take them, as the
+  launcher turns off the loop fusion that fails around them:
+  `dispatch.loops_run`) against impl="xla_bsp" element by element, repeated
+  calls, a layer scan."""
   _gpus(4)
   job = _gpu_job("gpu_tp_inside_auto", 2, 2)
   for name in GPU_INSIDE_CHECKS:
