@@ -6,7 +6,7 @@
 
 Runs the fused kernel and its exchange-free counterpart (all_gather_matmul:
 the core on the pre-gathered x; flash_decode: the kernel on the local slice,
-and the fused kernel with `narrow_partials` too;
+and the fused kernel with `one_fence` too;
 matmul_reduce_scatter: the same schedule storing every partial locally, and
 the kernel with each design on the base tiles, `rs_kernel.VARIANTS`)
 with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
@@ -219,11 +219,11 @@ def _kernels(op: str, dims: tuple[int, ...]):
   inputs = fd_bench.setup(shape, mesh)
   args = (inputs["q"], inputs["k"], inputs["v"])
   kv_specs = (fd_bench.Q_SPEC, fd_bench.KV_SPEC, fd_bench.KV_SPEC)
-  narrow = dataclasses.replace(fd_kernel.default_config(
-      shape.b, shape.hkv, shape.hq, shape.s_total // mesh.size, shape.dh, fd_bench.DTYPE,
-      num_sms=platform.num_sms()), narrow_partials=True)
+  config = fd_kernel.default_config(shape.b, shape.hkv, shape.hq, shape.s_total // mesh.size,
+                                    shape.dh, fd_bench.DTYPE, num_sms=platform.num_sms())
+  one_fence = dataclasses.replace(config, one_fence=True)
   return {"fused": (fd_bench.ours_fn(mesh, "pallas"), args),
-          "fused, narrow_partials": (fd_bench.ours_fn(mesh, "pallas", narrow), args),
+          "fused, one_fence": (fd_bench.ours_fn(mesh, "pallas", one_fence), args),
           "local (no exchange)": (spmd.per_shard(fd_bench.local_kernel, mesh, kv_specs,
                                                  P(spmd.AXIS)), args)}
 

@@ -16,8 +16,8 @@ K/V byte is read once. Steps past the sequence's end are not loaded; a split
 with no valid position publishes an empty partial (lse = -inf), so every wait
 below completes.
 
-Exchange. The item's Gp rows of the normalized output (float32, or q's
-dtype with `narrow_partials`) from its group's first (G of them its group's,
+Exchange. The item's Gp rows of the normalized output (in q's dtype, or
+float32 with `narrow_partials` off) from its group's first (G of them its group's,
 Gp = G rounded up to 8 so that every group starts on an 8-row tile of the
 receive buffers) and its log-sum-exp
 (broadcast over LSE_COLS columns) are TMA-stored into every device's receive
@@ -119,15 +119,25 @@ class FlashDecodeConfig:
       of float32 (`partial_dtype`): 40% fewer bytes into the peers at Dh =
       128 (the log-sum-exps stay float32); the merge weighs them in float32,
       and as its weights sum to 1 the rounding adds about one ulp of the
-      dtype at max |v| to the output. Decode v20, aimed at the D = 4
-      exchange (benchmarks/NOTES.md); experimental, off by default.
+      dtype at max |v| to the output. Decode v20, the default since session
+      34: on 4 H200s 4-11% faster at D = 4 and level at D = 2 (0-2%), max
+      error within one bf16 ulp of the float32 exchange's, every GPU test
+      passing at D = 4 and its config-variant test at D = 2
+      (benchmarks/NOTES.md).
+    one_fence: a block raises an item's semaphores on the D - 1 peers
+      behind one system-scope fence (`signals.signal_each`) instead of one
+      release per peer (`signals.signal`): in the D = 4 profile (4 H200s,
+      session 34) `publish`, the block's last item's three peer signals,
+      took 16 of the kernel's 60 kcyc once its stores had landed. Decode
+      v21; experimental (`experimental_reason`), off by default.
   """
   block_kv: int = 128
   splits: int = 1
   stages: int = 2
   combine_cols: int = 128
   merge_all: bool = False
-  narrow_partials: bool = False
+  narrow_partials: bool = True
+  one_fence: bool = False
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
@@ -233,9 +243,9 @@ def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | N
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
             " decode v19).")
-  if config.narrow_partials:
-    return ("config.narrow_partials is interpreter- and lowering-tested, not yet run on GPUs"
-            " (benchmarks/NOTES.md, decode v20).")
+  if config.one_fence:
+    return ("config.one_fence is lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
+            " decode v21).")
   return None
 
 
@@ -443,11 +453,15 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       deliver(o_smem, lse_smem, window, bh, me * splits + split, item)
 
     def publish(item):
-      """Raises phase-1 item `item`'s merge-tile semaphore on every peer; its
-      stores there have landed."""
+      """Raises phase-1 item `item`'s merge-tile semaphore on every peer (with
+      config.one_fence behind one fence); its stores there have landed."""
+      sem = lambda dev: plgpu.remote_ref(ready.at[item // splits // per_tile, me],
+                                         {axis_name: dev})
+      if config.one_fence:
+        signals.signal_each([sem(dev) for dev in peers], "sys")
+        return
       for dev in peers:
-        signals.signal(plgpu.remote_ref(ready.at[item // splits // per_tile, me], {axis_name: dev}),
-                       "sys")
+        signals.signal(sem(dev), "sys")
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged

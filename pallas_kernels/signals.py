@@ -13,8 +13,10 @@ had not landed).
 
 `signal` is one `red.release` from the thread that issued and awaited the
 stores: ordered after them at the given scope, and nothing waits after it.
+`signal_each` raises several semaphores behind one fence.
 """
 
+from collections.abc import Sequence
 from typing import Literal
 
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -44,6 +46,36 @@ def signal(sem, scope: Literal["gpu", "sys"] = "gpu") -> None:
         has_side_effects=True)
 
   add(sem)
+
+
+def signal_each(sems: Sequence, scope: Literal["gpu", "sys"] = "sys") -> None:
+  """Adds 1 to each semaphore of `sems` behind one fence: `fence.acq_rel`
+  at `scope`, then one `red.relaxed` add per semaphore, all from the thread
+  that `signal` uses (a fence followed by a strong write is a release
+  pattern in the PTX memory model, so each add is ordered after the stores
+  awaited before it, as with `signal`).
+
+  For announcing the same stores to several peers: each `red.release.sys`
+  of a `signal` loop is a fence of its own (one that, by the decode kernel's
+  profile, seems to wait for the previous add to reach its peer: ~5 kcyc
+  each at D = 4, benchmarks/NOTES.md, decode v21), so D - 1 signals put D - 1
+  fences on the block's path; here one fence, then the adds are posted.
+
+  Args:
+    sems: semaphores (each indexed down to one element), e.g. one per peer
+      through `plgpu.remote_ref`.
+    scope: "sys" when any of them is a peer's, as for `signal`.
+  """
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(sems))
+  def add(_, *refs):
+    one = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
+    mgpu_utils.inline_ptx(f"fence.acq_rel.{scope};", predicate=one, has_side_effects=True)
+    for ref in refs:
+      mgpu_utils.inline_ptx(f"red.relaxed.{scope}.global.add.u32 [$0], 1;",
+                            mgpu_utils.memref_ptr(ref), predicate=one, has_side_effects=True)
+
+  add(*sems)
 
 
 def async_proxy_fence() -> None:

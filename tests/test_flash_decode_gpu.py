@@ -124,20 +124,22 @@ def test_blocks_with_several_items():
 
 
 @pytest.mark.experimental
-@pytest.mark.parametrize("field", ["merge_all", "narrow_partials"])
+@pytest.mark.parametrize("field", ["merge_all", "narrow_partials", "one_fence"])
 @pytest.mark.parametrize("case", CASES[:2] + CASES[4:], ids=_case_id)
 def test_config_variant_matches_float64_on_every_device_twice(case, field):
-  """A config switch on: merge_all (decode v19: every source's partials in
-  one merge pipeline) or narrow_partials (v20: partials exchanged in q's
-  dtype); ragged lengths, every device's output (replicated bit for bit), two
-  calls (the second must not see the first one's signals)."""
+  """A config switch flipped from the default: merge_all on (decode v19:
+  every source's partials in one merge pipeline), narrow_partials off (v20,
+  the default since session 34, exchanges the partials in q's dtype; off:
+  in float32) or one_fence on (v21: the peers' signals behind one fence);
+  ragged lengths, every device's output (replicated bit for bit), two calls
+  (the second must not see the first one's signals)."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
   mesh = testkit.mesh_1d(D)
   hq, hkv, dh, s_shard, dtype = case
   q, k, v = _inputs(D, case, field)
   lens = ragged_lens(D, s_shard)
-  config = dataclasses.replace(fdk.default_config(
-      len(lens), hkv, hq, s_shard, dh, dtype, num_sms=platform.num_sms()), **{field: True})
+  config = fdk.default_config(len(lens), hkv, hq, s_shard, dh, dtype, num_sms=platform.num_sms())
+  config = dataclasses.replace(config, **{field: not getattr(config, field)})
 
   def body(q, k, v, kv_lens):
     return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl="pallas",

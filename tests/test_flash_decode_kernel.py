@@ -6,6 +6,7 @@ compiler passes run; only the final PTX compile needs a GPU); its configs.
 The exchange itself runs in tests/test_flash_decode_gpu.py."""
 
 import dataclasses
+import functools
 import itertools
 import math
 import zlib
@@ -55,8 +56,8 @@ def _reference(q, k, v, lens, scale) -> np.ndarray:
 # than the 64-row window; Dh 64 and 128; lengths ending mid-block, at a block
 # edge, inside device 0's slice (device 1 empty), zero and full; empty splits;
 # no lengths at all; D = 1, 2 and 3; one merge pipeline per source, and one
-# over every source (merge_all); partials in float32 and in q's dtype
-# (narrow_partials).
+# over every source (merge_all); partials in q's dtype (narrow_partials, the
+# default) and in float32.
 CASES = [
     (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64)),
     (3, 4, 4, 64, 128, 2, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
@@ -73,13 +74,13 @@ CASES = [
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, merge_all=True)),
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
      fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True)),
-    # narrow_partials: the partial outputs exchanged in q's dtype (bf16 and
+    # The partial outputs exchanged in float32 (narrow_partials off; bf16 and
     # fp16; Dh 128 and 64; the narrowest merge columns; with merge_all).
     (2, 8, 2, 128, 256, 2, (512, 300), BF16,
-     fd.FlashDecodeConfig(128, 2, 2, 64, narrow_partials=True)),
-    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, narrow_partials=True)),
+     fd.FlashDecodeConfig(128, 2, 2, 64, narrow_partials=False)),
+    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, narrow_partials=False)),
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
-     fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=True)),
+     fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
 ]
 
 
@@ -112,7 +113,7 @@ def _own_slots(recv, index, splits):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
                          f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
-                         f"{'_narrow' if c[8].narrow_partials else ''}")
+                         f"{'' if c[8].narrow_partials else '_f32_partials'}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
@@ -170,11 +171,35 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, m
   float32 or in q's dtype (narrow_partials), and the devices meet inside the
   kernel (entry.Entry's handshake: one spin over every peer's marker), not at
   XLA's barrier."""
+  module = _cuda_module(d, dtype, dh, hq, b, s_total, merge_all=merge_all, narrow_partials=narrow)
+  assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
+  assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
+  # The one spin reads each peer's two marker words in every round.
+  assert module.count("ld.relaxed.sys.global.b32 first") == d - 1
+  # Signals with release order, at system scope only for the peers'.
+  assert "red.release.gpu" in module and "red.release.sys" in module
+  assert "fence.acq_rel" not in module
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_one_fence_raises_the_peers_semaphores_behind_one_fence(d):
+  """With config.one_fence `publish` raises the peers' semaphores with one
+  system-scope fence and relaxed adds; without it, with release adds only.
+  (The exported module interns its strings, so the instructions' counts
+  cannot be read from it.)"""
+  shape = (d, BF16, 128, 64, 8, 8192)
+  default, one_fence = _cuda_module(*shape), _cuda_module(*shape, one_fence=True)
+  for asm in ("fence.acq_rel.sys;", "red.relaxed.sys.global.add.u32"):
+    assert asm not in default and asm in one_fence, asm
+
+
+def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
+  """The MLIR of the kernel exported for CUDA over an axis of d devices,
+  with the default config for the shape but `overrides`; KV heads 8."""
   mesh = jax.make_mesh((d,), ("x",))
   hkv = 8
   config = dataclasses.replace(
-      fd.default_config(b, hkv, hq, s_total // d, dh, dtype, num_sms=132), merge_all=merge_all,
-      narrow_partials=narrow)
+      fd.default_config(b, hkv, hq, s_total // d, dh, dtype, num_sms=132), **overrides)
   assert fd.unsupported_reason(b, hq, hkv, dh, s_total // d, dtype, config) is None
   q_spec, kv_spec = jax.P(), jax.P(None, "x")
   f = jax.jit(jax.shard_map(
@@ -186,13 +211,7 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, m
   kv = sds((b, s_total, hkv, dh), dtype, kv_spec)
   exported = jax.export.export(f, platforms=["cuda"])(
       sds((b, hq, dh), dtype, q_spec), kv, kv, sds((b,), jnp.int32, q_spec))
-  module = exported.mlir_module()
-  assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
-  assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
-  # The one spin reads each peer's two marker words in every round.
-  assert module.count("ld.relaxed.sys.global.b32 first") == d - 1
-  # Signals with release order, at system scope only for the peers'.
-  assert "red.release.gpu" in module and "red.release.sys" in module
+  return exported.mlir_module()
 
 
 @pytest.mark.parametrize("d", [2, 4])
@@ -240,19 +259,24 @@ def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
 
 def test_merge_ring_takes_as_many_partials_per_step_as_fit():
   itemsize = 2
-  assert fd.FlashDecodeConfig(128, 16, 2, 32).merge_ring(itemsize) == (8, 2)  # MERGE_BATCH
-  assert fd.FlashDecodeConfig(128, 12, 2, 16).merge_ring(itemsize) == (6, 2)
+  # Partials in float32 (narrow_partials off).
+  f32 = functools.partial(fd.FlashDecodeConfig, narrow_partials=False)
+  assert f32(128, 16, 2, 32).merge_ring(itemsize) == (8, 2)  # MERGE_BATCH
+  assert f32(128, 12, 2, 16).merge_ring(itemsize) == (6, 2)
   # Full-width rows (34.8 KB per partial): 4 in one step, or 2 per step twice in flight.
-  assert fd.FlashDecodeConfig(128, 4, 2, 128).merge_ring(itemsize) == (4, 1)
-  assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
-  assert fd.FlashDecodeConfig(128, 7, 2, 128).merge_ring(itemsize) == (1, 2)
-  assert fd.FlashDecodeConfig(128, 1, 2, 64).merge_ring(itemsize) == (1, 1)
+  assert f32(128, 4, 2, 128).merge_ring(itemsize) == (4, 1)
+  assert f32(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
+  assert f32(128, 7, 2, 128).merge_ring(itemsize) == (1, 2)
+  assert f32(128, 1, 2, 64).merge_ring(itemsize) == (1, 1)
   # merge_all: the ring runs over D >= 2 sources, so always two steps in flight.
-  assert fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True).merge_ring(itemsize) == (2, 2)
-  assert fd.FlashDecodeConfig(128, 1, 2, 64, merge_all=True).merge_ring(itemsize) == (1, 2)
-  assert fd.FlashDecodeConfig(128, 8, 2, 16, merge_all=True).merge_ring(itemsize) == (8, 2)
-  for splits, merge_all in itertools.product(range(1, 40), (False, True)):
-    config = fd.FlashDecodeConfig(128, splits, 2, 128, merge_all=merge_all)
+  assert f32(128, 4, 2, 128, merge_all=True).merge_ring(itemsize) == (2, 2)
+  assert f32(128, 1, 2, 64, merge_all=True).merge_ring(itemsize) == (1, 2)
+  assert f32(128, 8, 2, 16, merge_all=True).merge_ring(itemsize) == (8, 2)
+  # Partials in q's dtype (the default): full-width rows take 18.4 KB, so 8 fit in one step.
+  assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_ring(itemsize) == (8, 1)
+  for splits, merge_all, narrow in itertools.product(range(1, 40), (False, True), (False, True)):
+    config = fd.FlashDecodeConfig(128, splits, 2, 128, merge_all=merge_all,
+                                  narrow_partials=narrow)
     batch, stages = config.merge_ring(itemsize)
     assert splits % batch == 0 and 1 <= stages <= 2
     assert config.smem_bytes(128, itemsize) <= fd.SMEM_BYTES
@@ -269,11 +293,16 @@ def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
 
 @pytest.mark.parametrize("d", [2, 3, 4, 8])
 def test_experimental_configs_are_named(d):
-  """The default config is not experimental; merge_all is everywhere but at
-  D = 4 (GPU-tested there); narrow_partials everywhere (not yet run on GPUs)."""
+  """The default config is not experimental, with partials in q's dtype or
+  in float32 (narrow_partials: GPU-tested at D = 2 and 4, and nothing in it
+  depends on D); merge_all is everywhere but at D = 4 (GPU-tested there);
+  one_fence everywhere (not yet run on GPUs)."""
   config = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
   assert fd.experimental_reason(config, axis_size=d) is None
   merge_all = fd.experimental_reason(dataclasses.replace(config, merge_all=True), axis_size=d)
   assert (merge_all is None) == (d == 4), merge_all
-  narrow = fd.experimental_reason(dataclasses.replace(config, narrow_partials=True), axis_size=d)
-  assert narrow is not None and "narrow_partials" in narrow
+  assert config.narrow_partials
+  assert fd.experimental_reason(dataclasses.replace(config, narrow_partials=False),
+                                axis_size=d) is None
+  one_fence = fd.experimental_reason(dataclasses.replace(config, one_fence=True), axis_size=d)
+  assert one_fence is not None and "one_fence" in one_fence
