@@ -8,7 +8,9 @@ Runs the fused kernel and its exchange-free counterpart (all_gather_matmul:
 the core on the pre-gathered x; flash_decode: the kernel on the local slice,
 and the fused kernel with `one_fence` too;
 matmul_reduce_scatter: the same schedule storing every partial locally, and
-the kernel with each design on the base tiles, `rs_kernel.VARIANTS`)
+the kernel with each design on the base tiles, `rs_kernel.VARIANTS`;
+peer_stores: `benchmarks.peer_store_probe`'s stores into the next device and
+into this one)
 with `plgpu.CompilerParams(profile_space=..., profile_dir=...)`, a few calls
 back to back after a warm-up, and prints, per kernel trace, the span of each
 named scope the kernels mark (pallas_kernels docstrings list them): how many,
@@ -52,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import all_gather_matmul as ag_bench
 from benchmarks import flash_decode as fd_bench
 from benchmarks import matmul_reduce_scatter as rs_bench
+from benchmarks import peer_store_probe
 from benchmarks import shapes
 from benchmarks import spmd
 from pallas_kernels import flash_decode as fd_kernel
@@ -59,10 +62,12 @@ from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 
 _OP = flags.DEFINE_enum("op", "all_gather_matmul",
-                        ["all_gather_matmul", "flash_decode", "matmul_reduce_scatter"],
-                        "The op whose kernels to profile.")
+                        ["all_gather_matmul", "flash_decode", "matmul_reduce_scatter",
+                         "peer_stores"],
+                        "The op whose kernels to profile (peer_stores: `benchmarks.peer_store_probe`).")
 _SHAPE = flags.DEFINE_string("shape", "1024,4096,4096",
-                             "M_shard,K,N_shard; B,Hq,Hkv,Dh,S_total; or M,K_shard,N.")
+                             "M_shard,K,N_shard; B,Hq,Hkv,Dh,S_total; M,K_shard,N; or (peer_stores)"
+                             " blocks,stores.")
 _CALLS = flags.DEFINE_integer("calls", 8, "Calls back to back after the warm-up.")
 _KEEP = flags.DEFINE_integer("keep", 3, "Traces kept and summarized per kernel (the last ones).")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where traces go.")
@@ -215,6 +220,8 @@ def _kernels(op: str, dims: tuple[int, ...]):
                if not rs_kernel.experimental_variant(v)},
             "no exchange (partials stored locally)": (
                 spmd.per_shard(local, mesh, specs, P(spmd.AXIS)), args)}
+  if op == "peer_stores":
+    return peer_store_probe.kernels(mesh, *dims)
   shape = shapes.FlashDecodeShape(*dims)
   inputs = fd_bench.setup(shape, mesh)
   args = (inputs["q"], inputs["k"], inputs["v"])

@@ -1,10 +1,12 @@
 """benchmarks.kernel_profile: the trace summary and the profiling patch (CPU)."""
 
+import jax
 import pytest
 from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import kernel_profile
+from benchmarks import peer_store_probe
 
 
 def _event(ph, name, tid, ts, pid=1):
@@ -65,3 +67,15 @@ def test_durations_by_position_in_each_warpgroup():
   ]}
   assert kernel_profile.by_position(trace, ["tile", "epilogue"]) == {
       "tile": [10.0, 15.0, 10.0], "epilogue": []}
+
+
+def test_peer_store_probe_lowers_for_cuda():
+  """The probe's two kernels export for CUDA over a 2-device axis: the stores
+  into the next device address it, the stores into this device do not."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                   for fn, args in peer_store_probe.kernels(mesh, 4, 3).values())
+  for module in (remote, local):
+    assert "mosaic_gpu" in module and "store" in module
+  # Only the remote kernel loads the peer's device id.
+  assert "mosaic_gpu.device_id_load" in remote and "mosaic_gpu.device_id_load" not in local
