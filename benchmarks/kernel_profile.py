@@ -5,8 +5,7 @@
     python -m benchmarks.kernel_profile --op=matmul_reduce_scatter --shape=2048,4096,4096
 
 Runs the fused kernel and its exchange-free counterpart (all_gather_matmul:
-the core on the pre-gathered x; flash_decode: the kernel on the local slice,
-and the fused kernel with `one_fence` too;
+the core on the pre-gathered x; flash_decode: the kernel on the local slice;
 matmul_reduce_scatter: the same schedule storing every partial locally, and
 the kernel with each design on the base tiles, `rs_kernel.VARIANTS`;
 peer_stores: `benchmarks.peer_store_probe`'s stores into the next device and
@@ -57,7 +56,6 @@ from benchmarks import matmul_reduce_scatter as rs_bench
 from benchmarks import peer_store_probe
 from benchmarks import shapes
 from benchmarks import spmd
-from pallas_kernels import flash_decode as fd_kernel
 from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 
@@ -226,11 +224,7 @@ def _kernels(op: str, dims: tuple[int, ...]):
   inputs = fd_bench.setup(shape, mesh)
   args = (inputs["q"], inputs["k"], inputs["v"])
   kv_specs = (fd_bench.Q_SPEC, fd_bench.KV_SPEC, fd_bench.KV_SPEC)
-  config = fd_kernel.default_config(shape.b, shape.hkv, shape.hq, shape.s_total // mesh.size,
-                                    shape.dh, fd_bench.DTYPE, num_sms=platform.num_sms())
-  one_fence = dataclasses.replace(config, one_fence=True)
   return {"fused": (fd_bench.ours_fn(mesh, "pallas"), args),
-          "fused, one_fence": (fd_bench.ours_fn(mesh, "pallas", one_fence), args),
           "local (no exchange)": (spmd.per_shard(fd_bench.local_kernel, mesh, kv_specs,
                                                  P(spmd.AXIS)), args)}
 

@@ -130,7 +130,8 @@ def test_config_variant_matches_float64_on_every_device_twice(case, field):
   """A config switch flipped from the default: merge_all on (decode v19:
   every source's partials in one merge pipeline), narrow_partials off (v20,
   the default since session 34, exchanges the partials in q's dtype; off:
-  in float32) or one_fence on (v21: the peers' signals behind one fence);
+  in float32) or one_fence off (v21, the default since session 35, raises
+  the peers' signals behind one fence; off: a release per peer);
   ragged lengths, every device's output (replicated bit for bit), two calls
   (the second must not see the first one's signals)."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel

@@ -176,21 +176,23 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, m
   assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
   # The one spin reads each peer's two marker words in every round.
   assert module.count("ld.relaxed.sys.global.b32 first") == d - 1
-  # Signals with release order, at system scope only for the peers'.
-  assert "red.release.gpu" in module and "red.release.sys" in module
-  assert "fence.acq_rel" not in module
+  # The device's own signals with release order at GPU scope; the peers'
+  # behind one system-scope fence (one_fence, the default).
+  assert "red.release.gpu" in module and "fence.acq_rel.sys;" in module
+  assert "fence.acq_rel.gpu" not in module
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])
 def test_one_fence_raises_the_peers_semaphores_behind_one_fence(d):
-  """With config.one_fence `publish` raises the peers' semaphores with one
-  system-scope fence and relaxed adds; without it, with release adds only.
+  """With config.one_fence (the default) `publish` raises the peers'
+  semaphores with one system-scope fence and relaxed adds; without it, with
+  release adds only.
   (The exported module interns its strings, so the instructions' counts
   cannot be read from it.)"""
   shape = (d, BF16, 128, 64, 8, 8192)
-  default, one_fence = _cuda_module(*shape), _cuda_module(*shape, one_fence=True)
+  one_fence, per_peer = _cuda_module(*shape), _cuda_module(*shape, one_fence=False)
   for asm in ("fence.acq_rel.sys;", "red.relaxed.sys.global.add.u32"):
-    assert asm not in default and asm in one_fence, asm
+    assert asm in one_fence and asm not in per_peer, asm
 
 
 def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
@@ -295,8 +297,9 @@ def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
 def test_experimental_configs_are_named(d):
   """The default config is not experimental, with partials in q's dtype or
   in float32 (narrow_partials: GPU-tested at D = 2 and 4, and nothing in it
-  depends on D); merge_all is everywhere but at D = 4 (GPU-tested there);
-  one_fence everywhere (not yet run on GPUs)."""
+  depends on D), with one fence or a release per peer (one_fence:
+  GPU-tested at D = 2 and 4); merge_all is everywhere but at D = 4
+  (GPU-tested there)."""
   config = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
   assert fd.experimental_reason(config, axis_size=d) is None
   merge_all = fd.experimental_reason(dataclasses.replace(config, merge_all=True), axis_size=d)
@@ -304,5 +307,6 @@ def test_experimental_configs_are_named(d):
   assert config.narrow_partials
   assert fd.experimental_reason(dataclasses.replace(config, narrow_partials=False),
                                 axis_size=d) is None
-  one_fence = fd.experimental_reason(dataclasses.replace(config, one_fence=True), axis_size=d)
-  assert one_fence is not None and "one_fence" in one_fence
+  assert config.one_fence
+  assert fd.experimental_reason(dataclasses.replace(config, one_fence=False),
+                                axis_size=d) is None
