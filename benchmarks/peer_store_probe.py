@@ -15,6 +15,19 @@ awaiting each store's read in the named scope `store`, so the profile's
 at which store; the same kernel storing into this device's own buffer is the
 counterpart. The tile's contents are whatever shared memory holds: the
 probe times stores, not values.
+
+Session 35 (4 H200s, 132 x 64): it is there without the GEMM. Every block's
+2nd store waits ~186 kcyc for its read (the 1st store's), at D = 4 and 2,
+in every call; then ~6 kcyc per store (the link's rate). Two more kernels
+tell a cost per call from one per page of the destination: each store
+awaited until it has landed (`landed`, so that a store's own scope holds its
+stall), and the same with every block's first store into one shared tile
+(`first_shared`): if only that store stalls, the cost is per call; if the
+2nd (each block's first into its own rows, other pages) stalls as well, it
+is per page touched. A fourth meets the peers inside the kernel first
+(`meet_first`: `pallas_kernels.entry`'s handshake, scope `meet`): if the
+stall moves into `meet`, the stores were waiting for the peer's kernel to
+start (AG v16's guess: the devices' start skew after XLA's barrier).
 """
 
 import jax
@@ -25,27 +38,43 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import spmd
+from pallas_kernels import entry
 
 ROWS = COLS = 64
 DTYPE = jnp.bfloat16
 
 
-def stores_kernel(blocks: int, stores: int, *, remote: bool, axis_name: str = spmd.AXIS):
+def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
+                  first_shared: bool = False, meet_first: bool = False,
+                  axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16, written by the
   previous device over the axis (remote) or by this one; a grid of `blocks`
-  blocks (at most one per SM, so that all are resident)."""
+  blocks (at most one per SM, so that all are resident). Block b's s-th
+  store goes to rows [64 b, 64 b + 64), columns [64 s, 64 s + 64); with
+  first_shared its first store goes to rows [0, 64) instead, as every
+  block's does. The scope `store` awaits the store's read of shared memory,
+  or with landed its landing. With meet_first (remote only) every block
+  waits in the scope `meet` until every device has entered the kernel."""
   def body(out_ref, tile):
     block = lax.axis_index("sm")
     dst = out_ref
     if remote:
       d, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
       dst = plgpu.remote_ref(out_ref, {axis_name: lax.rem(me + 1, d)})
+      if meet_first:
+        peers_in = entry.Entry(axis_name, d, me)
+        pl.when(block == 0)(peers_in.porter)
+        with jax.named_scope("meet"):
+          peers_in.wait()
 
     @pl.loop(0, stores)
     def _(s):
       with jax.named_scope("store"):
-        plgpu.copy_smem_to_gmem(tile, dst.at[pl.ds(block * ROWS, ROWS), pl.ds(s * COLS, COLS)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        row = block * ROWS
+        if first_shared:
+          row = jnp.where(s == 0, 0, row)
+        plgpu.copy_smem_to_gmem(tile, dst.at[pl.ds(row, ROWS), pl.ds(s * COLS, COLS)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=not landed)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store landed before exit
 
@@ -56,10 +85,18 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, axis_name: str = sp
 
 def kernels(mesh, blocks: int, stores: int) -> dict:
   """{label: (jitted fn, args)} for kernel_profile: the stores into the next
-  device, and into this device's own buffer. The kernels are built when the
-  functions are first traced (inside kernel_profile's `profiling`)."""
-  def fn(remote):
-    body = lambda: stores_kernel(blocks, stores, remote=remote)()
+  device (each store's read awaited; each landed; each landed, the first
+  into one shared tile; each landed, after the devices meet), and into this
+  device's own buffer. The kernels are
+  built when the functions are first traced (inside kernel_profile's
+  `profiling`)."""
+  def fn(**kw):
+    body = lambda: stores_kernel(blocks, stores, **kw)()
     return spmd.per_shard(body, mesh, (), P(spmd.AXIS)), ()
-  return {f"into the next device ({blocks} blocks x {stores} stores of 8 KB)": fn(True),
-          "into this device (no exchange)": fn(False)}
+  into = f"into the next device ({blocks} blocks x {stores} stores of 8 KB)"
+  return {into: fn(remote=True),
+          f"{into}, each landed": fn(remote=True, landed=True),
+          f"{into}, each landed, the first into one shared tile":
+              fn(remote=True, landed=True, first_shared=True),
+          f"{into}, each landed, after the devices meet": fn(remote=True, landed=True, meet_first=True),
+          "into this device (no exchange)": fn(remote=False)}
