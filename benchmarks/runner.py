@@ -187,13 +187,16 @@ def parse_shapes(op: OpSpec, on_gpu: bool) -> tuple:
   return tuple(shapes)
 
 
-def _selected(name: str, opt_in: bool = False) -> bool:
+def selected(name: str, opt_in: bool = False) -> bool:
+  """Whether case `name` runs: named by --only or --impls, else every case
+  that is not opt_in."""
   if _ONLY.value:
     return name == _ONLY.value
   return name in _IMPLS.value if _IMPLS.value else not opt_in
 
 
-def _check_names(cases: list[Case]) -> None:
+def check_names(cases: list[Case]) -> None:
+  """Raises a usage error naming the cases of --impls / --only not in `cases`."""
   names = [c.name for c in cases]
   unknown = [n for n in [*_IMPLS.value, *filter(None, [_ONLY.value])] if n not in names]
   if unknown:
@@ -296,7 +299,7 @@ def _main(op: OpSpec) -> None:
     # Before this process starts its backend: XLA would otherwise hold most
     # of the GPU memory while the child runs.
     children = {name: _run_isolated(op, name, flags_)
-                for name, flags_ in op.isolated.items() if _selected(name)}
+                for name, flags_ in op.isolated.items() if selected(name)}
   mesh = spmd.mesh()
   d = mesh.size
   on_gpu = harness.cupti_available()
@@ -315,10 +318,10 @@ def _main(op: OpSpec) -> None:
       continue
     ctx = Context(mesh, inputs, reference, len(shapes) - index)
     shape_cases = op.cases(shape, ctx)
-    _check_names(shape_cases)
+    check_names(shape_cases)
     shape_records, contenders = [], {}
     for case in shape_cases:
-      if not _selected(case.name, case.opt_in):
+      if not selected(case.name, case.opt_in):
         continue
       child = children.get(case.name)
       if child is None:
