@@ -18,16 +18,20 @@ probe times stores, not values.
 
 Session 35 (4 H200s, 132 x 64): it is there without the GEMM. Every block's
 2nd store waits ~186 kcyc for its read (the 1st store's), at D = 4 and 2,
-in every call; then ~6 kcyc per store (the link's rate). Two more kernels
-tell a cost per call from one per page of the destination: each store
-awaited until it has landed (`landed`, so that a store's own scope holds its
-stall), and the same with every block's first store into one shared tile
-(`first_shared`): if only that store stalls, the cost is per call; if the
-2nd (each block's first into its own rows, other pages) stalls as well, it
-is per page touched. A fourth meets the peers inside the kernel first
-(`meet_first`: `pallas_kernels.entry`'s handshake, scope `meet`): if the
-stall moves into `meet`, the stores were waiting for the peer's kernel to
-start (AG v16's guess: the devices' start skew after XLA's barrier).
+in every call; then ~6 kcyc per store (the link's rate). More kernels tell
+the possible causes apart, each store awaited until it has landed (so that a
+store's own scope holds its stall):
+  landed: as above otherwise; the 1st store should hold the stall.
+  first_shared: every block's 1st store into one shared tile, the rest into
+    its own rows. Only the 1st stalls: a cost per call or per buffer; the
+    2nd (a block's first into its own rows, other pages) too: per page.
+  warm_other: every block first stores one tile into a second, small buffer
+    on the peer (scope `warm`), then as landed. Only `warm` stalls: a cost
+    per call (the first write into the peer); both: per buffer or page.
+  meet_first: the devices meet inside the kernel first
+    (`pallas_kernels.entry`'s handshake, scope `meet`). If the stall moves
+    into `meet`, the stores waited for the peer's kernel to start (AG v16's
+    guess: the devices' start skew after XLA's barrier).
 """
 
 import jax
@@ -45,27 +49,35 @@ DTYPE = jnp.bfloat16
 
 
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
-                  first_shared: bool = False, meet_first: bool = False,
-                  axis_name: str = spmd.AXIS):
-  """Per device, no inputs -> [blocks * 64, stores * 64] bf16, written by the
-  previous device over the axis (remote) or by this one; a grid of `blocks`
-  blocks (at most one per SM, so that all are resident). Block b's s-th
-  store goes to rows [64 b, 64 b + 64), columns [64 s, 64 s + 64); with
-  first_shared its first store goes to rows [0, 64) instead, as every
-  block's does. The scope `store` awaits the store's read of shared memory,
-  or with landed its landing. With meet_first (remote only) every block
-  waits in the scope `meet` until every device has entered the kernel."""
-  def body(out_ref, tile):
+                  first_shared: bool = False, warm_other: bool = False,
+                  meet_first: bool = False, axis_name: str = spmd.AXIS):
+  """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
+  warm_other a [64, 64] one), written by the previous device over the axis
+  (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
+  that all are resident). Block b's s-th store goes to rows [64 b, 64 b +
+  64), columns [64 s, 64 s + 64); with first_shared its first store goes to
+  rows [0, 64) instead, as every block's does. The scope `store` awaits the
+  store's read of shared memory, or with landed its landing. Remote only:
+  with warm_other every block first stores its tile into the small buffer
+  and awaits its landing (scope `warm`); with meet_first every block waits
+  in the scope `meet` until every device has entered the kernel."""
+  def body(out_ref, *refs):
+    *other, tile = refs
     block = lax.axis_index("sm")
     dst = out_ref
     if remote:
       d, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-      dst = plgpu.remote_ref(out_ref, {axis_name: lax.rem(me + 1, d)})
+      peer = {axis_name: lax.rem(me + 1, d)}
+      dst = plgpu.remote_ref(out_ref, peer)
       if meet_first:
         peers_in = entry.Entry(axis_name, d, me)
         pl.when(block == 0)(peers_in.porter)
         with jax.named_scope("meet"):
           peers_in.wait()
+      if warm_other:
+        with jax.named_scope("warm"):
+          plgpu.copy_smem_to_gmem(tile, plgpu.remote_ref(other[0], peer))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
     @pl.loop(0, stores)
     def _(s):
@@ -78,25 +90,30 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store landed before exit
 
-  return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((blocks * ROWS, stores * COLS), DTYPE),
-      grid=(blocks,), grid_names=("sm",), scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
+  out_type = jax.ShapeDtypeStruct((blocks * ROWS, stores * COLS), DTYPE)
+  if warm_other:
+    out_type = (out_type, jax.ShapeDtypeStruct((ROWS, COLS), DTYPE))
+  return plgpu.kernel(body, out_type=out_type, grid=(blocks,), grid_names=("sm",),
+                      scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
 
 
 def kernels(mesh, blocks: int, stores: int) -> dict:
   """{label: (jitted fn, args)} for kernel_profile: the stores into the next
-  device (each store's read awaited; each landed; each landed, the first
-  into one shared tile; each landed, after the devices meet), and into this
-  device's own buffer. The kernels are
-  built when the functions are first traced (inside kernel_profile's
-  `profiling`)."""
+  device (each store's read awaited, as in session 35; then each landed:
+  plainly, first_shared, warm_other, meet_first), and into this device's own
+  buffer. The kernels are built when the functions are first traced (inside
+  kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
-    return spmd.per_shard(body, mesh, (), P(spmd.AXIS)), ()
+    out_specs = (P(spmd.AXIS), P(spmd.AXIS)) if kw.get("warm_other") else P(spmd.AXIS)
+    return spmd.per_shard(body, mesh, (), out_specs), ()
   into = f"into the next device ({blocks} blocks x {stores} stores of 8 KB)"
   return {into: fn(remote=True),
           f"{into}, each landed": fn(remote=True, landed=True),
           f"{into}, each landed, the first into one shared tile":
               fn(remote=True, landed=True, first_shared=True),
-          f"{into}, each landed, after the devices meet": fn(remote=True, landed=True, meet_first=True),
+          f"{into}, each landed, after one into another buffer":
+              fn(remote=True, landed=True, warm_other=True),
+          f"{into}, each landed, after the devices meet":
+              fn(remote=True, landed=True, meet_first=True),
           "into this device (no exchange)": fn(remote=False)}
