@@ -27,7 +27,9 @@ merge tile, this source device) is raised on each device once the rows have
 landed there: here at once, before the stores into the peers are issued (a
 release fence after them would wait for them), on the peers while the block
 runs its next item (or after its last), so that no item waits for a remote
-round trip before the next one starts (see `signals.signal`). A merge tile is 64 // Gp
+round trip before the next one starts (see `signals.signal`; the peers'
+semaphores behind one system-scope fence, `signals.signal_each`, with
+`one_fence`). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
