@@ -1,7 +1,7 @@
 """SM clocks and power while each contender runs back to back.
 
-    python -m benchmarks.clock_probe --op=all_gather_matmul --shapes=2048x8192x14336 \
-        --impls=pallas,pallas_core,gemm_alone,user_bsp [--seconds=1.0] [--rounds=2]
+    python -m benchmarks.clock_probe --benchmark=all_gather_matmul --shapes=2048x8192x14336 \
+        --impls=pallas,pallas_core,gemm_alone,user_bsp [--seconds=1.0] [--clock_rounds=2]
 
 Why: at large shapes a Hopper GEMM runs at its power limit (AG v16: the
 profiled fused kernel took 7% more SM cycles than its core for the same CUPTI
@@ -13,7 +13,7 @@ For each shape, each case of the op benchmark's (`--impls`, the names its
 --impls takes) runs calls back to back for --seconds while a thread samples
 the GPUs' SM clock, power draw and clock-event reasons through NVML (ctypes,
 the driver's libnvidia-ml.so.1) every --sample_ms; the cases take turns for
---rounds rounds. Printed per case (medians over rounds): wall time per call,
+--clock_rounds rounds. Printed per case (medians over rounds): wall time per call,
 the median SM clock (MHz) and power (W) of the samples taken while it ran,
 averaged over the GPUs in use (those of CUDA_VISIBLE_DEVICES, else all), and
 the share of samples with the software power cap or a slowdown reason set.
@@ -40,9 +40,10 @@ from benchmarks import runner
 from benchmarks import spmd
 
 _OPS = {op.name: op for op in (ag_bench.OP, rs_bench.OP, fd_bench.OP)}
-_OP = flags.DEFINE_enum("op", "all_gather_matmul", sorted(_OPS), "The op benchmark whose cases run.")
+_BENCHMARK = flags.DEFINE_enum("benchmark", "all_gather_matmul", sorted(_OPS),
+                                "The op benchmark whose cases run.")
 _SECONDS = flags.DEFINE_float("seconds", 1.0, "How long each case runs per round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; the cases take turns in each.")
+_ROUNDS = flags.DEFINE_integer("clock_rounds", 2, "Rounds; the cases take turns in each.")
 _SAMPLE_MS = flags.DEFINE_float("sample_ms", 10.0, "NVML sampling period.")
 # --shapes, --impls and --out_dir are benchmarks.runner's flags.
 
@@ -162,7 +163,7 @@ def run_sampled(fn, args, nvml: Nvml, seconds: float, sample_ms: float) -> tuple
 
 
 def main(_) -> None:
-  op = _OPS[_OP.value]
+  op = _OPS[_BENCHMARK.value]
   mesh = spmd.mesh()
   if mesh.devices.flat[0].platform != "gpu":
     raise SystemExit("benchmarks.clock_probe: NVIDIA GPUs only.")
