@@ -32,12 +32,17 @@ store's own scope holds its stall):
     (`pallas_kernels.entry`'s handshake, scope `meet`). If the stall moves
     into `meet`, the stores waited for the peer's kernel to start (AG v16's
     guess: the devices' start skew after XLA's barrier).
+  delay_us: every block idles that long first (scope `delay`, a spin on
+    %globaltimer). If the 1st store is then fast, something ends at a fixed
+    time after the launch (AG v16: the waits "end together"); if it still
+    stalls, the first write sets it off.
 """
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
@@ -46,11 +51,32 @@ from pallas_kernels import entry
 
 ROWS = COLS = 64
 DTYPE = jnp.bfloat16
+DELAY_US = 150  # the delay_us kernel's: past the ~100 µs of the stall
+
+
+def spin_for(microseconds: int) -> None:
+  """Every thread of the warpgroup spins until `microseconds` have passed on
+  %globaltimer (nanoseconds)."""
+  @plgpu.inline_mgpu()
+  def spin(_):
+    mgpu_utils.inline_ptx(
+        "{\n"
+        ".reg .u64 start, now;\n"
+        ".reg .pred waiting;\n"
+        "mov.u64 start, %globaltimer;\n"
+        "DELAY:\n"
+        "mov.u64 now, %globaltimer;\n"
+        "sub.u64 now, now, start;\n"
+        f"setp.lt.u64 waiting, now, {microseconds * 1000};\n"
+        "@waiting bra DELAY;\n"
+        "}", has_side_effects=True)
+
+  spin()
 
 
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
                   first_shared: bool = False, warm_other: bool = False,
-                  meet_first: bool = False, axis_name: str = spmd.AXIS):
+                  meet_first: bool = False, delay_us: int = 0, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -60,7 +86,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   store's read of shared memory, or with landed its landing. Remote only:
   with warm_other every block first stores its tile into the small buffer
   and awaits its landing (scope `warm`); with meet_first every block waits
-  in the scope `meet` until every device has entered the kernel."""
+  in the scope `meet` until every device has entered the kernel; with
+  delay_us every block first spins that long (scope `delay`)."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -69,6 +96,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
       d, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
       peer = {axis_name: lax.rem(me + 1, d)}
       dst = plgpu.remote_ref(out_ref, peer)
+      if delay_us:
+        with jax.named_scope("delay"):
+          spin_for(delay_us)
       if meet_first:
         peers_in = entry.Entry(axis_name, d, me)
         pl.when(block == 0)(peers_in.porter)
@@ -100,8 +130,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
 def kernels(mesh, blocks: int, stores: int) -> dict:
   """{label: (jitted fn, args)} for kernel_profile: the stores into the next
   device (each store's read awaited, as in session 35; then each landed:
-  plainly, first_shared, warm_other, meet_first), and into this device's own
-  buffer. The kernels are built when the functions are first traced (inside
+  plainly, first_shared, warm_other, meet_first, delay_us=DELAY_US), and
+  into this device's own buffer. The kernels are built when the functions are first traced (inside
   kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -116,4 +146,6 @@ def kernels(mesh, blocks: int, stores: int) -> dict:
               fn(remote=True, landed=True, warm_other=True),
           f"{into}, each landed, after the devices meet":
               fn(remote=True, landed=True, meet_first=True),
+          f"{into}, each landed, {DELAY_US} µs after the start":
+              fn(remote=True, landed=True, delay_us=DELAY_US),
           "into this device (no exchange)": fn(remote=False)}
