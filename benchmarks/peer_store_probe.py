@@ -36,6 +36,11 @@ store's own scope holds its stall):
     %globaltimer). If the 1st store is then fast, something ends at a fixed
     time after the launch (AG v16: the waits "end together"); if it still
     stalls, the first write sets it off.
+  touch_first: one thread of block 0 first reads a word of every 2 MiB of
+    the peer's buffer (scope `touch`), the other blocks waiting for it
+    (scope `touch_wait`). If the stores are then fast, the stall is the
+    pages' first touch, and a kernel can take it early, off its GEMM's path;
+    `touch` says how long one thread takes for all the pages.
 """
 
 import jax
@@ -52,6 +57,7 @@ from pallas_kernels import entry
 ROWS = COLS = 64
 DTYPE = jnp.bfloat16
 DELAY_US = 150  # the delay_us kernel's: past the ~100 µs of the stall
+PAGE_BYTES = 2 << 20  # the touch_first kernel's stride: Hopper's large pages
 
 
 def spin_for(microseconds: int) -> None:
@@ -74,9 +80,29 @@ def spin_for(microseconds: int) -> None:
   spin()
 
 
+def touch_pages(peer_ref, local_ref, nbytes: int) -> None:
+  """One thread of the warpgroup reads a word of every PAGE_BYTES of
+  `peer_ref` (system scope, each read issued before any result is used) and
+  stores their xor into `local_ref`'s first word (so that no read is dead;
+  the probe's values do not matter)."""
+  loads = "".join(f"ld.relaxed.sys.global.b32 v, [$0+{page * PAGE_BYTES}];\n"
+                  "xor.b32 acc, acc, v;\n" for page in range(-(-nbytes // PAGE_BYTES)))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def touch(_, peer, local):
+    with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+      mgpu_utils.inline_ptx(
+          "{\n.reg .b32 v, acc;\nmov.b32 acc, 0;\n" + loads + "st.global.b32 [$1], acc;\n}",
+          mgpu_utils.memref_ptr(peer), mgpu_utils.memref_ptr(local), has_side_effects=True)
+    mgpu_utils.warpgroup_barrier()
+
+  touch(peer_ref, local_ref)
+
+
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
                   first_shared: bool = False, warm_other: bool = False,
-                  meet_first: bool = False, delay_us: int = 0, axis_name: str = spmd.AXIS):
+                  meet_first: bool = False, delay_us: int = 0, touch_first: bool = False,
+                  axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -87,7 +113,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   with warm_other every block first stores its tile into the small buffer
   and awaits its landing (scope `warm`); with meet_first every block waits
   in the scope `meet` until every device has entered the kernel; with
-  delay_us every block first spins that long (scope `delay`)."""
+  delay_us every block first spins that long (scope `delay`); with
+  touch_first block 0 reads every page of the peer's buffer (`touch_pages`,
+  scope `touch`) while the others wait (scope `touch_wait`)."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -99,6 +127,17 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
       if delay_us:
         with jax.named_scope("delay"):
           spin_for(delay_us)
+      if touch_first:
+        touched = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+        @pl.when(block == 0)
+        def _():
+          with jax.named_scope("touch"):
+            touch_pages(dst, out_ref, out_ref.size * out_ref.dtype.itemsize)
+          pl.semaphore_signal(touched, 1)
+
+        with jax.named_scope("touch_wait"):
+          pl.semaphore_wait(touched, 1, decrement=False)
       if meet_first:
         peers_in = entry.Entry(axis_name, d, me)
         pl.when(block == 0)(peers_in.porter)
@@ -130,8 +169,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
 def kernels(mesh, blocks: int, stores: int) -> dict:
   """{label: (jitted fn, args)} for kernel_profile: the stores into the next
   device (each store's read awaited, as in session 35; then each landed:
-  plainly, first_shared, warm_other, meet_first, delay_us=DELAY_US), and
-  into this device's own buffer. The kernels are built when the functions are first traced (inside
+  plainly, first_shared, warm_other, meet_first, delay_us=DELAY_US,
+  touch_first), and into this device's own buffer. The kernels are built when the functions are first traced (inside
   kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -148,4 +187,6 @@ def kernels(mesh, blocks: int, stores: int) -> dict:
               fn(remote=True, landed=True, meet_first=True),
           f"{into}, each landed, {DELAY_US} µs after the start":
               fn(remote=True, landed=True, delay_us=DELAY_US),
+          f"{into}, each landed, after one thread read every page":
+              fn(remote=True, landed=True, touch_first=True),
           "into this device (no exchange)": fn(remote=False)}
