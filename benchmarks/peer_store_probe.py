@@ -41,6 +41,9 @@ store's own scope holds its stall):
     (scope `touch_wait`). If the stores are then fast, the stall is the
     pages' first touch, and a kernel can take it early, off its GEMM's path;
     `touch` says how long one thread takes for all the pages.
+  touch_first="prefetch": the same with `prefetch.global.L2` instead of
+    reads: no result, so the thread never waits; if the stores are then
+    fast too, a kernel's warm-up costs its issuing thread nothing.
 """
 
 import jax
@@ -80,20 +83,26 @@ def spin_for(microseconds: int) -> None:
   spin()
 
 
-def touch_pages(peer_ref, local_ref, nbytes: int) -> None:
+def touch_pages(peer_ref, local_ref, nbytes: int, prefetch: bool = False) -> None:
   """One thread of the warpgroup reads a word of every PAGE_BYTES of
   `peer_ref` (system scope, each read issued before any result is used) and
   stores their xor into `local_ref`'s first word (so that no read is dead;
-  the probe's values do not matter)."""
-  loads = "".join(f"ld.relaxed.sys.global.b32 v, [$0+{page * PAGE_BYTES}];\n"
-                  "xor.b32 acc, acc, v;\n" for page in range(-(-nbytes // PAGE_BYTES)))
+  the probe's values do not matter); with prefetch it issues
+  `prefetch.global.L2` at those addresses instead (no result, no wait)."""
+  offsets = range(0, nbytes, PAGE_BYTES)
+  if prefetch:
+    body = "".join(f"prefetch.global.L2 [$0+{o}];\n" for o in offsets)
+  else:
+    body = (".reg .b32 v, acc;\nmov.b32 acc, 0;\n"
+            + "".join(f"ld.relaxed.sys.global.b32 v, [$0+{o}];\nxor.b32 acc, acc, v;\n"
+                      for o in offsets)
+            + "st.global.b32 [$1], acc;\n")
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
   def touch(_, peer, local):
     with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
-      mgpu_utils.inline_ptx(
-          "{\n.reg .b32 v, acc;\nmov.b32 acc, 0;\n" + loads + "st.global.b32 [$1], acc;\n}",
-          mgpu_utils.memref_ptr(peer), mgpu_utils.memref_ptr(local), has_side_effects=True)
+      mgpu_utils.inline_ptx("{\n" + body + "}", mgpu_utils.memref_ptr(peer),
+                            mgpu_utils.memref_ptr(local), has_side_effects=True)
     mgpu_utils.warpgroup_barrier()
 
   touch(peer_ref, local_ref)
@@ -101,8 +110,8 @@ def touch_pages(peer_ref, local_ref, nbytes: int) -> None:
 
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
                   first_shared: bool = False, warm_other: bool = False,
-                  meet_first: bool = False, delay_us: int = 0, touch_first: bool = False,
-                  axis_name: str = spmd.AXIS):
+                  meet_first: bool = False, delay_us: int = 0,
+                  touch_first: bool | str = False, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -114,8 +123,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   and awaits its landing (scope `warm`); with meet_first every block waits
   in the scope `meet` until every device has entered the kernel; with
   delay_us every block first spins that long (scope `delay`); with
-  touch_first block 0 reads every page of the peer's buffer (`touch_pages`,
-  scope `touch`) while the others wait (scope `touch_wait`)."""
+  touch_first block 0 reads (or with "prefetch" prefetches) every page of
+  the peer's buffer (`touch_pages`, scope `touch`) while the others wait
+  (scope `touch_wait`)."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -133,7 +143,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
         @pl.when(block == 0)
         def _():
           with jax.named_scope("touch"):
-            touch_pages(dst, out_ref, out_ref.size * out_ref.dtype.itemsize)
+            touch_pages(dst, out_ref, out_ref.size * out_ref.dtype.itemsize,
+                        prefetch=touch_first == "prefetch")
           pl.semaphore_signal(touched, 1)
 
         with jax.named_scope("touch_wait"):
@@ -170,7 +181,7 @@ def kernels(mesh, blocks: int, stores: int) -> dict:
   """{label: (jitted fn, args)} for kernel_profile: the stores into the next
   device (each store's read awaited, as in session 35; then each landed:
   plainly, first_shared, warm_other, meet_first, delay_us=DELAY_US,
-  touch_first), and into this device's own buffer. The kernels are built when the functions are first traced (inside
+  touch_first, touch_first="prefetch"), and into this device's own buffer. The kernels are built when the functions are first traced (inside
   kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -189,4 +200,6 @@ def kernels(mesh, blocks: int, stores: int) -> dict:
               fn(remote=True, landed=True, delay_us=DELAY_US),
           f"{into}, each landed, after one thread read every page":
               fn(remote=True, landed=True, touch_first=True),
+          f"{into}, each landed, after one thread prefetched every page":
+              fn(remote=True, landed=True, touch_first="prefetch"),
           "into this device (no exchange)": fn(remote=False)}

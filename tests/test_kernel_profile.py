@@ -70,17 +70,18 @@ def test_durations_by_position_in_each_warpgroup():
 
 
 def test_peer_store_probe_lowers_for_cuda():
-  """The probe's kernels export for CUDA over a 2-device axis: the seven
+  """The probe's kernels export for CUDA over a 2-device axis: the eight
   storing into the next device address it (each a different kernel; one
   spins on the peer's entry marker, one on the clock, one reads the peer's
-  pages), the one storing into this device does not."""
+  pages, one prefetches them), the one storing into this device does not."""
   mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
   *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
                     for fn, args in peer_store_probe.kernels(mesh, 4, 3).values())
-  assert len(remote) == 7 and len(set(remote)) == 7
-  assert [m.count("bra SPIN") for m in remote] == [0, 0, 0, 0, 1, 0, 0]
-  assert [m.count("%globaltimer") > 0 for m in remote] == [False] * 5 + [True, False]
-  assert ["ld.relaxed.sys.global.b32 v, [$0+0]" in m for m in remote] == [False] * 6 + [True]
+  assert len(remote) == 8 and len(set(remote)) == 8
+  assert [m.count("bra SPIN") for m in remote] == [0, 0, 0, 0, 1, 0, 0, 0]
+  assert [m.count("%globaltimer") > 0 for m in remote] == [False] * 5 + [True, False, False]
+  assert ["ld.relaxed.sys.global.b32 v, [$0+0]" in m for m in remote] == [False] * 6 + [True, False]
+  assert ["prefetch.global.L2 [$0+0]" in m for m in remote] == [False] * 7 + [True]
   for module in (*remote, local):
     assert "mosaic_gpu" in module and "store" in module
   # Only the remote kernels load the peer's device id.
