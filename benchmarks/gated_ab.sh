@@ -45,8 +45,9 @@ case "${OP:-}" in
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul
     TT=${TT:-110}; PRE=""
-    declare -A K=([ring]="ring and not stream" [forward_stream]="forward and stream"
-                  [ring_stream]="ring and stream")
+    declare -A K=([ring]="ring and not stream and not warm_peers"
+                  [forward_stream]="forward and stream and not warm_peers"
+                  [ring_stream]="ring and stream and not warm_peers")
     ORDER="ring forward_stream ring_stream"
     BASE="pallas,pallas_forward,pallas_push,user_bsp,jax_collective_matmul,gemm_alone";;
   *) echo "OP must be rs or ag" >&2; exit 2;;

@@ -94,6 +94,7 @@ interpreter cannot run): that is how the schedule is tested on CPU.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,7 @@ from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
+from pallas_kernels import warm
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 # The GPU kernel's name in profiles: `<KERNEL_NAME>_mosaic_gpu_kernel`.
@@ -155,6 +157,10 @@ class MatmulReduceScatterConfig:
       at the barrier XLA runs before each launch. For multi-process jobs
       (see `AllGatherMatmulConfig.entry`); in one process it was no faster
       (RS v5). Experimental: lowering-tested, not yet run on GPUs.
+    warm_peers: block 0's first warpgroup prefetches every page of each
+      peer's output at the start (`pallas_kernels.warm`): the candidate fix
+      for the stall of a call's first stores into a peer (RS v13).
+      Experimental: lowering-tested, not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -165,6 +171,7 @@ class MatmulReduceScatterConfig:
   k_splits: int = 1
   entry: bool = False
   interleave: bool = False
+  warm_peers: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -329,6 +336,9 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.interleave:
     return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
             " GPUs (benchmarks/NOTES.md, RS v12).")
+  if config.warm_peers and axis_size > 1:
+    return ("config.warm_peers (the peers' pages prefetched at the start) is lowering-tested,"
+            " not yet run on GPUs (benchmarks/NOTES.md, RS v13).")
   return None
 
 
@@ -516,6 +526,16 @@ def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   return peers_in
 
 
+def _warm_peers(out_ref, axis_name, d: int, me, sm, wg) -> None:
+  """config.warm_peers: block 0's first warpgroup prefetches every page of
+  each peer's output (`warm.prefetch_pages`) at the start."""
+  @pl.when((sm == 0) & (wg == 0))
+  def _():
+    for offset in range(1, d):
+      warm.prefetch_pages(plgpu.remote_ref(out_ref, {axis_name: lax.rem(me + offset, d)}),
+                          math.prod(out_ref.shape) * out_ref.dtype.itemsize)
+
+
 def _pad_blocks(x, d: int, rows: int, padded: int):
   """x [d * rows, K] -> [d * padded, K]: each device's row block padded with
   zero rows."""
@@ -581,6 +601,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
     peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
+    if remote and config.warm_peers:
+      _warm_peers(out_ref, axis_name, d, me, sm, wg)
     if remote:
       # landed[t, wg]: the peers' halves of own tile t; interleaved, one count
       # of every peer half, awaited once at the end.
@@ -836,6 +858,8 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
     peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
+    if remote and config.warm_peers:
+      _warm_peers(out_ref, axis_name, d, me, sm, wg)
     if remote:
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,)))
       landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))

@@ -666,3 +666,21 @@ def test_entry_meets_the_peers_inside_the_kernel(d, rows, k, design):
     assert ("skip_device_barrier = true" in module) == meet
     assert module.count("bra SPIN") == int(meet)
     assert module.count("ld.relaxed.sys.global.b32 first") == (d - 1) * meet
+
+
+@pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (8192, 1024, 1024)),
+                                     (4, (64, 4096, 7168))], ids=["d2", "d4", "d4_whole_rows"])
+def test_warm_peers_prefetches_the_owners_pages(d, shape):
+  """config.warm_peers (experimental, RS v13): the kernel prefetches every
+  2 MiB page of each peer's output at the start (`pallas_kernels.warm`),
+  with the row-block tiles and with whole_rows, and only with it; explain
+  flags it over peers."""
+  m, k, n = shape
+  config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
+  warm_config = dataclasses.replace(config, warm_peers=True)
+  warmed, plain = _cuda_module(warm_config, m, k, n, d), _cuda_module(config, m, k, n, d)
+  assert "prefetch.global.L2 [$0+0]" in warmed
+  assert "prefetch.global.L2" not in plain
+  assert "warm_peers" in rs.experimental_reason(warm_config, axis_size=d)
+  assert rs.experimental_reason(dataclasses.replace(warm_config, whole_rows=False),
+                                axis_size=1) is None  # no peers to warm
