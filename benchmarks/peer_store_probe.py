@@ -41,9 +41,10 @@ store's own scope holds its stall):
     (scope `touch_wait`). If the stores are then fast, the stall is the
     pages' first touch, and a kernel can take it early, off its GEMM's path;
     `touch` says how long one thread takes for all the pages.
-  touch_first="prefetch": the same with `prefetch.global.L2` instead of
-    reads: no result, so the thread never waits; if the stores are then
-    fast too, a kernel's warm-up costs its issuing thread nothing.
+  touch_first="prefetch": the same with the matmul kernels' `warm_peers`
+    prefetches (`pallas_kernels.warm.prefetch_pages`) instead of reads: no
+    result, so the thread never waits; if the stores are then fast too, the
+    warm-up costs its issuing thread nothing.
 """
 
 import jax
@@ -56,11 +57,11 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import spmd
 from pallas_kernels import entry
+from pallas_kernels import warm
 
 ROWS = COLS = 64
 DTYPE = jnp.bfloat16
 DELAY_US = 150  # the delay_us kernel's: past the ~100 µs of the stall
-PAGE_BYTES = 2 << 20  # the touch_first kernel's stride: Hopper's large pages
 
 
 def spin_for(microseconds: int) -> None:
@@ -83,29 +84,23 @@ def spin_for(microseconds: int) -> None:
   spin()
 
 
-def touch_pages(peer_ref, local_ref, nbytes: int, prefetch: bool = False) -> None:
-  """One thread of the warpgroup reads a word of every PAGE_BYTES of
+def read_pages(peer_ref, local_ref, nbytes: int) -> None:
+  """One thread of the warpgroup reads a word of every `warm.PAGE_BYTES` of
   `peer_ref` (system scope, each read issued before any result is used) and
   stores their xor into `local_ref`'s first word (so that no read is dead;
-  the probe's values do not matter); with prefetch it issues
-  `prefetch.global.L2` at those addresses instead (no result, no wait)."""
-  offsets = range(0, nbytes, PAGE_BYTES)
-  if prefetch:
-    body = "".join(f"prefetch.global.L2 [$0+{o}];\n" for o in offsets)
-  else:
-    body = (".reg .b32 v, acc;\nmov.b32 acc, 0;\n"
-            + "".join(f"ld.relaxed.sys.global.b32 v, [$0+{o}];\nxor.b32 acc, acc, v;\n"
-                      for o in offsets)
-            + "st.global.b32 [$1], acc;\n")
+  the probe's values do not matter)."""
+  reads = "".join(f"ld.relaxed.sys.global.b32 v, [$0+{offset}];\nxor.b32 acc, acc, v;\n"
+                  for offset in range(0, nbytes, warm.PAGE_BYTES))
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-  def touch(_, peer, local):
+  def read(_, peer, local):
     with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
-      mgpu_utils.inline_ptx("{\n" + body + "}", mgpu_utils.memref_ptr(peer),
-                            mgpu_utils.memref_ptr(local), has_side_effects=True)
+      mgpu_utils.inline_ptx(
+          "{\n.reg .b32 v, acc;\nmov.b32 acc, 0;\n" + reads + "st.global.b32 [$1], acc;\n}",
+          mgpu_utils.memref_ptr(peer), mgpu_utils.memref_ptr(local), has_side_effects=True)
     mgpu_utils.warpgroup_barrier()
 
-  touch(peer_ref, local_ref)
+  read(peer_ref, local_ref)
 
 
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
@@ -123,9 +118,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   and awaits its landing (scope `warm`); with meet_first every block waits
   in the scope `meet` until every device has entered the kernel; with
   delay_us every block first spins that long (scope `delay`); with
-  touch_first block 0 reads (or with "prefetch" prefetches) every page of
-  the peer's buffer (`touch_pages`, scope `touch`) while the others wait
-  (scope `touch_wait`)."""
+  touch_first block 0 reads every page of the peer's buffer (`read_pages`;
+  with "prefetch", `warm.prefetch_pages`), scope `touch`, while the others
+  wait (scope `touch_wait`)."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -143,8 +138,11 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
         @pl.when(block == 0)
         def _():
           with jax.named_scope("touch"):
-            touch_pages(dst, out_ref, out_ref.size * out_ref.dtype.itemsize,
-                        prefetch=touch_first == "prefetch")
+            nbytes = out_ref.size * out_ref.dtype.itemsize
+            if touch_first == "prefetch":
+              warm.prefetch_pages(dst, nbytes)
+            else:
+              read_pages(dst, out_ref, nbytes)
           pl.semaphore_signal(touched, 1)
 
         with jax.named_scope("touch_wait"):
