@@ -42,10 +42,12 @@ import itertools
 import json
 import pathlib
 import statistics
+import time
 
 from absl import app
 from absl import flags
 import jax
+import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
@@ -66,6 +68,16 @@ _OP = flags.DEFINE_enum("op", "all_gather_matmul",
 _SHAPE = flags.DEFINE_string("shape", "1024,4096,4096",
                              "M_shard,K,N_shard; B,Hq,Hkv,Dh,S_total; M,K_shard,N; or (peer_stores)"
                              " blocks,stores.")
+_PEER_SUITE = flags.DEFINE_enum("peer_suite", "causes", peer_store_probe.SUITES,
+                                "peer_stores: which kernels (benchmarks.peer_store_probe.kernels).")
+_GAP_MS = flags.DEFINE_float("gap_ms", 0.0, "Host idle time between the calls (each call"
+                             " awaited first); 0: back to back.")
+_IN_PROGRAM = flags.DEFINE_integer(
+    "in_program", 1, "Calls of the op inside one jitted program (the first input offset by"
+    " the call's index, so that none is a copy of another): whether what a call pays at its"
+    " start is paid once per program (traces then alternate between the calls).")
+_KERNELS_ONLY = flags.DEFINE_list("kernels", [], "Profile only the kernels whose labels are listed (all"
+                          " when empty).")
 _CALLS = flags.DEFINE_integer("calls", 8, "Calls back to back after the warm-up.")
 _KEEP = flags.DEFINE_integer("keep", 3, "Traces kept and summarized per kernel (the last ones).")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where traces go.")
@@ -219,7 +231,7 @@ def _kernels(op: str, dims: tuple[int, ...]):
             "no exchange (partials stored locally)": (
                 spmd.per_shard(local, mesh, specs, P(spmd.AXIS)), args)}
   if op == "peer_stores":
-    return peer_store_probe.kernels(mesh, *dims)
+    return peer_store_probe.kernels(mesh, *dims, suite=_PEER_SUITE.value)
   shape = shapes.FlashDecodeShape(*dims)
   inputs = fd_bench.setup(shape, mesh)
   args = (inputs["q"], inputs["k"], inputs["v"])
@@ -229,11 +241,28 @@ def _kernels(op: str, dims: tuple[int, ...]):
                                                  P(spmd.AXIS)), args)}
 
 
+def in_program(fn, calls: int):
+  """One jitted program running `fn` `calls` times, the i-th call on its
+  first input plus i (so that no call is a copy of another); `fn` as is for
+  one call."""
+  if calls == 1:
+    return fn
+
+  @jax.jit
+  def program(first, *rest):
+    return [fn(first + jnp.asarray(i, first.dtype), *rest) for i in range(calls)]
+
+  return program
+
+
 def main(argv):
   del argv
   dims = tuple(int(s) for s in _SHAPE.value.split(","))
   root = pathlib.Path(_TRACE_DIR.value)
   for index, (label, (fn, args)) in enumerate(_kernels(_OP.value, dims).items()):
+    if _KERNELS_ONLY.value and label not in _KERNELS_ONLY.value:
+      continue
+    fn = in_program(fn, _IN_PROGRAM.value)
     trace_dir = root / f"{_OP.value}_{'x'.join(map(str, dims))}_{index}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     for old in trace_dir.glob("trace*.json"):
@@ -245,6 +274,9 @@ def main(argv):
         old.unlink()
       for _ in range(_CALLS.value):
         out = fn(*args)
+        if _GAP_MS.value:
+          jax.block_until_ready(out)
+          time.sleep(_GAP_MS.value / 1e3)
       jax.block_until_ready(out)
       jax.effects_barrier()
     traces = sorted(trace_dir.glob("trace*.json"))

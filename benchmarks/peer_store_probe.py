@@ -45,6 +45,31 @@ store's own scope holds its stall):
     prefetches (`pallas_kernels.warm.prefetch_pages`) instead of reads: no
     result, so the thread never waits; if the stores are then fast too, the
     warm-up costs its issuing thread nothing.
+
+Session 36 (4 H100s, D = 4): a cost per page, not per call. One block
+storing 64 tiles (one page) never stalls; every block's first stores into
+one shared tile land at once, the stores into their own pages after them
+stall longer (~270 kcyc); a thread reading a word of each of the 33 pages,
+all reads in flight, takes 240-290 kcyc (~8 per page: served one at a time)
+and leaves ~80-130 of the stall; the handshake, a 150 µs delay, a store
+into another buffer and prefetches change nothing. The suite "order" asks
+how the stall scales and whether a kernel can pay it a page at a time:
+  page_major: the s-th stores of all blocks go to consecutive tiles of the
+    buffer (tile s * blocks + b in row-major tile order), so each wave of
+    stores spans a page or two instead of every page at once. If the cost
+    is per cold page and served one page at a time, the stall spreads over
+    the call (~6 kcyc per new page) instead of holding every block at once.
+  passes=2: every block stores its tiles twice, the second pass after the
+    first. If the second pass does not stall, what a page costs stays paid
+    within a call (and something between calls undoes it).
+Its answer (132 x 16, 8 pages, 17 MB per call: no stall; two passes over
+them: the 1st pass stalls ~187; 132 x 256, 132 pages: one stall of ~190 at
+the start, page-major or not): not a cost per page. Whether the start of a
+call stalls follows how much the calls before it moved. The suite
+"after_big" runs the kernel in one program after one with 4x the stores
+(traces alternate: the long one, then the short one): if the short one now
+stalls, the previous call's traffic sets the stall off; kernel_profile's
+--gap_ms puts host idle time between the calls.
 """
 
 import jax
@@ -106,7 +131,8 @@ def read_pages(peer_ref, local_ref, nbytes: int) -> None:
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
                   first_shared: bool = False, warm_other: bool = False,
                   meet_first: bool = False, delay_us: int = 0,
-                  touch_first: bool | str = False, axis_name: str = spmd.AXIS):
+                  touch_first: bool | str = False, page_major: bool = False,
+                  passes: int = 1, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -120,7 +146,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   delay_us every block first spins that long (scope `delay`); with
   touch_first block 0 reads every page of the peer's buffer (`read_pages`;
   with "prefetch", `warm.prefetch_pages`), scope `touch`, while the others
-  wait (scope `touch_wait`)."""
+  wait (scope `touch_wait`). With page_major block b's s-th store goes to
+  tile s * blocks + b of the buffer in row-major tile order instead; with
+  passes every block runs its stores that many times over the same tiles."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -157,13 +185,18 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           plgpu.copy_smem_to_gmem(tile, plgpu.remote_ref(other[0], peer))
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-    @pl.loop(0, stores)
-    def _(s):
+    @pl.loop(0, stores * passes)
+    def _(i):
       with jax.named_scope("store"):
-        row = block * ROWS
+        s = lax.rem(i, stores)
+        row_tile, col_tile = block, s
+        if page_major:
+          t = s * blocks + block
+          row_tile, col_tile = t // stores, lax.rem(t, stores)
         if first_shared:
-          row = jnp.where(s == 0, 0, row)
-        plgpu.copy_smem_to_gmem(tile, dst.at[pl.ds(row, ROWS), pl.ds(s * COLS, COLS)])
+          row_tile = jnp.where(i == 0, 0, row_tile)
+        plgpu.copy_smem_to_gmem(
+            tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=not landed)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store landed before exit
@@ -175,17 +208,37 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                       scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
 
 
-def kernels(mesh, blocks: int, stores: int) -> dict:
+SUITES = ("causes", "order", "after_big")
+
+
+def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   """{label: (jitted fn, args)} for kernel_profile: the stores into the next
-  device (each store's read awaited, as in session 35; then each landed:
-  plainly, first_shared, warm_other, meet_first, delay_us=DELAY_US,
-  touch_first, touch_first="prefetch"), and into this device's own buffer. The kernels are built when the functions are first traced (inside
-  kernel_profile's `profiling`)."""
+  device, then into this device's own buffer. Suite "causes" (session 35):
+  each store's read awaited, then each landed: plainly, first_shared,
+  warm_other, meet_first, delay_us=DELAY_US, touch_first,
+  touch_first="prefetch". Suite "order": each landed, plainly, page_major,
+  passes=2. Suite "after_big": each landed, the kernel after one with 4x
+  the stores, in one program. The kernels are built when the functions are first traced
+  (inside kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
     out_specs = (P(spmd.AXIS), P(spmd.AXIS)) if kw.get("warm_other") else P(spmd.AXIS)
     return spmd.per_shard(body, mesh, (), out_specs), ()
   into = f"into the next device ({blocks} blocks x {stores} stores of 8 KB)"
+  local = {"into this device (no exchange)": fn(remote=False)}
+  if suite == "after_big":
+    def pair():
+      big = stores_kernel(blocks, 4 * stores, remote=True, landed=True)()
+      return big[:, :stores * COLS], stores_kernel(blocks, stores, remote=True, landed=True)()
+    return {f"{into}, each landed": fn(remote=True, landed=True),
+            f"{into}, each landed, after one with {4 * stores} stores": (
+                spmd.per_shard(pair, mesh, (), (P(spmd.AXIS), P(spmd.AXIS))), ()),
+            **local}
+  if suite == "order":
+    return {f"{into}, each landed": fn(remote=True, landed=True),
+            f"{into}, each landed, page-major": fn(remote=True, landed=True, page_major=True),
+            f"{into}, each landed, two passes": fn(remote=True, landed=True, passes=2),
+            **local}
   return {into: fn(remote=True),
           f"{into}, each landed": fn(remote=True, landed=True),
           f"{into}, each landed, the first into one shared tile":
@@ -200,4 +253,4 @@ def kernels(mesh, blocks: int, stores: int) -> dict:
               fn(remote=True, landed=True, touch_first=True),
           f"{into}, each landed, after one thread prefetched every page":
               fn(remote=True, landed=True, touch_first="prefetch"),
-          "into this device (no exchange)": fn(remote=False)}
+          **local}

@@ -1,6 +1,7 @@
 """benchmarks.kernel_profile: the trace summary and the profiling patch (CPU)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -87,3 +88,33 @@ def test_peer_store_probe_lowers_for_cuda():
   # Only the remote kernels load the peer's device id.
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   assert "mosaic_gpu.device_id_load" not in local
+
+
+def test_peer_store_probe_order_suite_lowers_for_cuda():
+  """Suite "order": three kernels storing into the next device (plain,
+  page-major, two passes: each a different kernel) and the local one."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                    for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="order").values())
+  assert len(remote) == 3 and len(set(remote)) == 3
+  assert all("mosaic_gpu.device_id_load" in m for m in remote)
+  assert "mosaic_gpu.device_id_load" not in local
+
+
+def test_peer_store_probe_after_big_suite_lowers_for_cuda():
+  """Suite "after_big": the plain kernel, then a program of two kernels (4x
+  the stores, then the plain one's), then the local one."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+             for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="after_big").values()]
+  assert [m.count("mosaic_gpu") > 0 for m in modules] == [True] * 3
+  assert [m.count("mosaic_gpu.device_id_load") for m in modules][2] == 0
+  assert modules[1].count("custom_call @mosaic_gpu") == 2 * modules[0].count("custom_call @mosaic_gpu")
+
+
+def test_in_program_runs_every_call_on_its_own_input():
+  """--in_program: one program, the i-th call on its first input plus i."""
+  program = kernel_profile.in_program(lambda x, y: x * y, 3)
+  out = program(jnp.ones((2,), jnp.float32), jnp.full((2,), 2.0, jnp.float32))
+  assert [o.tolist() for o in out] == [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]
+  assert kernel_profile.in_program(abs, 1) is abs
