@@ -13,7 +13,8 @@
 # designs to test and time (default: all, space-separated); D2=1: also at
 # D = 2 on GPUs 0 and 1; EXTRA: more benchmark flags. Output: $OUT/log.txt
 # (every step's output), the benchmarks' JSON and charts in $OUT
-# (default ./bench_out). Session 24 ran it for both ops in two calls.
+# (default ./bench_out); BASE_IMPLS: the contenders timed beside the designs
+# that pass (default: ours, the baselines, the floors). Session 24 ran it for both ops in two calls.
 set -u
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -37,11 +38,13 @@ case "${OP:-}" in
     TT=${TT:-70}; PRE="each_design and "
     declare -A K=([plain]="plain" [add_all]="add_all and not drip"
                   [drip]="drip and not add_all and not lag2"
-                  [drip_add_all]="drip_add_all and not lag2 and not interleave"
+                  [drip_add_all]="drip_add_all and not lag2 and not interleave and not xla_zero"
                   [drip_lag2]="drip_lag2" [drip_add_all_lag2]="drip_add_all_lag2"
-                  [drip_add_all_interleave]="drip_add_all_interleave")
-    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2 drip_add_all_interleave"
-    BASE="pallas,user_bsp,gemm_alone,reduce_scatter_alone";;
+                  [drip_add_all_interleave]="drip_add_all_interleave"
+                  [drip_add_all_xla_zero]="drip_add_all_xla_zero")
+    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2 drip_add_all_interleave
+           drip_add_all_xla_zero"
+    BASE=${BASE_IMPLS:-pallas,user_bsp,gemm_alone,reduce_scatter_alone};;
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul
     TT=${TT:-110}; PRE=""
@@ -49,7 +52,7 @@ case "${OP:-}" in
                   [forward_stream]="forward and stream and not warm_peers"
                   [ring_stream]="ring and stream and not warm_peers")
     ORDER="ring forward_stream ring_stream"
-    BASE="pallas,pallas_forward,pallas_push,user_bsp,jax_collective_matmul,gemm_alone";;
+    BASE=${BASE_IMPLS:-pallas,pallas_forward,pallas_push,user_bsp,jax_collective_matmul,gemm_alone};;
   *) echo "OP must be rs or ag" >&2; exit 2;;
 esac
 passed=()
