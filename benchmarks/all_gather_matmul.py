@@ -33,7 +33,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap import tuned
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import platform
 from benchmarks import cases
@@ -77,18 +76,6 @@ def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operand
   cases.require_hopper("our kernel")
   config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=None,
                                stream=stream)
-  return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
-                      {"config": repr(config)})
-
-
-def _pallas_warm(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands
-                 ) -> runner.Built:
-  """Our kernel with the config "pallas" takes (tuned, else the heuristic's)
-  and warm_peers on (AG v23, experimental)."""
-  cases.require_hopper("our kernel")
-  config = tuned.all_gather_matmul_config(platform.device_kind(), mesh.size, shape.m_shard,
-                                          shape.k, shape.n_shard, DTYPE)
-  config = dataclasses.replace(config or _default_config(shape, mesh), warm_peers=True)
   return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
                       {"config": repr(config)})
 
@@ -146,7 +133,6 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       *(runner.Case(f"pallas_{send}{'_stream' if stream else ''}", "ours",
                     functools.partial(_pallas_send, shape, mesh, inputs, send, stream))
         for send, stream in SEND_DESIGNS),
-      runner.Case("pallas_warm", "ours", lambda: _pallas_warm(shape, mesh, inputs), opt_in=True),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -176,7 +162,7 @@ OP = runner.OpSpec(
     # Ours (as `auto` runs it, and each send design), the baselines that come
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
-                "pallas_ring_stream", "pallas_warm", "user_bsp",
+                "pallas_ring_stream", "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )
 

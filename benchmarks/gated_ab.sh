@@ -38,19 +38,16 @@ case "${OP:-}" in
     TT=${TT:-70}; PRE="each_design and "
     declare -A K=([plain]="plain" [add_all]="add_all and not drip"
                   [drip]="drip and not add_all and not lag2"
-                  [drip_add_all]="drip_add_all and not lag2 and not interleave and not xla_zero"
+                  [drip_add_all]="drip_add_all and not lag2 and not interleave"
                   [drip_lag2]="drip_lag2" [drip_add_all_lag2]="drip_add_all_lag2"
-                  [drip_add_all_interleave]="drip_add_all_interleave"
-                  [drip_add_all_xla_zero]="drip_add_all_xla_zero")
-    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2 drip_add_all_interleave
-           drip_add_all_xla_zero"
+                  [drip_add_all_interleave]="drip_add_all_interleave")
+    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2 drip_add_all_interleave"
     BASE=${BASE_IMPLS:-pallas,user_bsp,gemm_alone,reduce_scatter_alone};;
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul
     TT=${TT:-110}; PRE=""
-    declare -A K=([ring]="ring and not stream and not warm_peers"
-                  [forward_stream]="forward and stream and not warm_peers"
-                  [ring_stream]="ring and stream and not warm_peers")
+    declare -A K=([ring]="ring and not stream" [forward_stream]="forward and stream"
+                  [ring_stream]="ring and stream")
     ORDER="ring forward_stream ring_stream"
     BASE=${BASE_IMPLS:-pallas,pallas_forward,pallas_push,user_bsp,jax_collective_matmul,gemm_alone};;
   *) echo "OP must be rs or ag" >&2; exit 2;;

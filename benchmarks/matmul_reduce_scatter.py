@@ -23,7 +23,6 @@ Cases:
             no matmul: T_comm of the overlap efficiency (FLUX's definition).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -85,13 +84,6 @@ def _pallas(mesh, explain, args, config=None) -> runner.Built:
                       {"explain": str(choice), "config": repr(config)})
 
 
-def _default_config(shape: shapes.MatmulReduceScatterShape, mesh):
-  """The config "pallas" takes (the kernel's heuristic)."""
-  cases.require_hopper("our kernel")
-  return rs_kernel.default_config(shape.m // mesh.size, shape.k_shard, shape.n, DTYPE,
-                                  axis_size=mesh.size, num_sms=platform.num_sms())
-
-
 def _variant_config(shape: shapes.MatmulReduceScatterShape, mesh, variant: str):
   cases.require_hopper("our kernel")
   return rs_kernel.VARIANTS[variant](rs_kernel.base_config(
@@ -142,8 +134,6 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
         for v in rs_kernel.VARIANTS),
       runner.Case("pallas_whole_rows", "ours", functools.partial(_pallas_whole_rows, shape, ctx),
                   opt_in=True),
-      runner.Case("pallas_warm", "ours", lambda: _pallas(mesh, explain, args, dataclasses.replace(
-          _default_config(shape, mesh), warm_peers=True)), opt_in=True),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -171,7 +161,7 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                "pallas_warm", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+                "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ store's own scope holds its stall):
     (scope `touch_wait`). If the stores are then fast, the stall is the
     pages' first touch, and a kernel can take it early, off its GEMM's path;
     `touch` says how long one thread takes for all the pages.
-  touch_first="prefetch": the same with the matmul kernels' `warm_peers`
-    prefetches (`pallas_kernels.warm.prefetch_pages`) instead of reads: no
+  touch_first="prefetch": the same with `prefetch_pages` (what the matmul
+    kernels' `warm_peers`, AG v23 / RS v13, did; removed) instead of reads: no
     result, so the thread never waits; if the stores are then fast too, the
     warm-up costs its issuing thread nothing.
 
@@ -70,6 +70,13 @@ call stalls follows how much the calls before it moved. The suite
 (traces alternate: the long one, then the short one): if the short one now
 stalls, the previous call's traffic sets the stall off; kernel_profile's
 --gap_ms puts host idle time between the calls.
+Its answer: the short kernel after the long one never stalled (0 of 2),
+host gaps changed nothing, and the matmul kernels stall in both calls of a
+program. One block, 8 or 33 blocks of 64 stores never stalled; 132 blocks of
+16 sometimes; 132 of 64 or 256 always, once. The suite "ramp" asks whether
+it is the start's burst, 132 SMs storing distinct data at the same moment:
+block b starts b x 100 or b x 500 ns late (the last 13 or 66 µs late). If
+the stall then goes, a kernel can ramp its first stores into peers up.
 """
 
 import jax
@@ -82,40 +89,63 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import spmd
 from pallas_kernels import entry
-from pallas_kernels import warm
 
 ROWS = COLS = 64
 DTYPE = jnp.bfloat16
 DELAY_US = 150  # the delay_us kernel's: past the ~100 µs of the stall
+PAGE_BYTES = 2 << 20  # Hopper's large pages
 
 
-def spin_for(microseconds: int) -> None:
-  """Every thread of the warpgroup spins until `microseconds` have passed on
+def spin_for(microseconds: int, per_block_ns: int = 0) -> None:
+  """Every thread of the warpgroup spins until `microseconds`, plus
+  `per_block_ns` times the block's index (%ctaid.x), have passed on
   %globaltimer (nanoseconds)."""
   @plgpu.inline_mgpu()
   def spin(_):
     mgpu_utils.inline_ptx(
         "{\n"
-        ".reg .u64 start, now;\n"
+        ".reg .u64 start, now, wait;\n"
+        ".reg .u32 block;\n"
         ".reg .pred waiting;\n"
+        "mov.u32 block, %ctaid.x;\n"
+        "cvt.u64.u32 wait, block;\n"
+        f"mul.lo.u64 wait, wait, {per_block_ns};\n"
+        f"add.u64 wait, wait, {microseconds * 1000};\n"
         "mov.u64 start, %globaltimer;\n"
         "DELAY:\n"
         "mov.u64 now, %globaltimer;\n"
         "sub.u64 now, now, start;\n"
-        f"setp.lt.u64 waiting, now, {microseconds * 1000};\n"
+        "setp.lt.u64 waiting, now, wait;\n"
         "@waiting bra DELAY;\n"
         "}", has_side_effects=True)
 
   spin()
 
 
+def prefetch_pages(ref, nbytes: int) -> None:
+  """One thread of the warpgroup issues a `prefetch.global.L2` of the first
+  bytes of every PAGE_BYTES of `ref` (a peer's buffer, of `nbytes` bytes): no
+  result, so the thread never waits. Session 36: prefetches into a peer
+  change nothing (benchmarks/NOTES.md)."""
+  prefetches = "".join(f"prefetch.global.L2 [$0+{offset}];\n"
+                       for offset in range(0, nbytes, PAGE_BYTES))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def prefetch(_, buffer):
+    with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+      mgpu_utils.inline_ptx("{\n" + prefetches + "}", mgpu_utils.memref_ptr(buffer),
+                            has_side_effects=True)
+
+  prefetch(ref)
+
+
 def read_pages(peer_ref, local_ref, nbytes: int) -> None:
-  """One thread of the warpgroup reads a word of every `warm.PAGE_BYTES` of
+  """One thread of the warpgroup reads a word of every `PAGE_BYTES` of
   `peer_ref` (system scope, each read issued before any result is used) and
   stores their xor into `local_ref`'s first word (so that no read is dead;
   the probe's values do not matter)."""
   reads = "".join(f"ld.relaxed.sys.global.b32 v, [$0+{offset}];\nxor.b32 acc, acc, v;\n"
-                  for offset in range(0, nbytes, warm.PAGE_BYTES))
+                  for offset in range(0, nbytes, PAGE_BYTES))
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
   def read(_, peer, local):
@@ -131,7 +161,8 @@ def read_pages(peer_ref, local_ref, nbytes: int) -> None:
 def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = False,
                   first_shared: bool = False, warm_other: bool = False,
                   meet_first: bool = False, delay_us: int = 0,
-                  touch_first: bool | str = False, page_major: bool = False,
+                  touch_first: bool | str = False, stagger_ns: int = 0,
+                  page_major: bool = False,
                   passes: int = 1, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
@@ -145,8 +176,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   in the scope `meet` until every device has entered the kernel; with
   delay_us every block first spins that long (scope `delay`); with
   touch_first block 0 reads every page of the peer's buffer (`read_pages`;
-  with "prefetch", `warm.prefetch_pages`), scope `touch`, while the others
-  wait (scope `touch_wait`). With page_major block b's s-th store goes to
+  with "prefetch", `prefetch_pages`), scope `touch`, while the others
+  wait (scope `touch_wait`); with stagger_ns block b first spins b x
+  stagger_ns (scope `stagger`). With page_major block b's s-th store goes to
   tile s * blocks + b of the buffer in row-major tile order instead; with
   passes every block runs its stores that many times over the same tiles."""
   def body(out_ref, *refs):
@@ -160,6 +192,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
       if delay_us:
         with jax.named_scope("delay"):
           spin_for(delay_us)
+      if stagger_ns:
+        with jax.named_scope("stagger"):
+          spin_for(0, per_block_ns=stagger_ns)
       if touch_first:
         touched = pl.get_global(plgpu.SemaphoreType.REGULAR)
 
@@ -168,7 +203,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           with jax.named_scope("touch"):
             nbytes = out_ref.size * out_ref.dtype.itemsize
             if touch_first == "prefetch":
-              warm.prefetch_pages(dst, nbytes)
+              prefetch_pages(dst, nbytes)
             else:
               read_pages(dst, out_ref, nbytes)
           pl.semaphore_signal(touched, 1)
@@ -208,7 +243,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                       scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
 
 
-SUITES = ("causes", "order", "after_big")
+SUITES = ("causes", "order", "after_big", "ramp")
+STAGGERS_NS = (100, 500)  # suite "ramp": 13 and 66 µs from the first block's start to the last's
 
 
 def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
@@ -218,7 +254,8 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   warm_other, meet_first, delay_us=DELAY_US, touch_first,
   touch_first="prefetch". Suite "order": each landed, plainly, page_major,
   passes=2. Suite "after_big": each landed, the kernel after one with 4x
-  the stores, in one program. The kernels are built when the functions are first traced
+  the stores, in one program. Suite "ramp": each landed, plainly and with
+  the blocks' starts staggered (STAGGERS_NS). The kernels are built when the functions are first traced
   (inside kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -226,6 +263,11 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
     return spmd.per_shard(body, mesh, (), out_specs), ()
   into = f"into the next device ({blocks} blocks x {stores} stores of 8 KB)"
   local = {"into this device (no exchange)": fn(remote=False)}
+  if suite == "ramp":
+    return {f"{into}, each landed": fn(remote=True, landed=True),
+            **{f"{into}, each landed, block b starting b x {ns} ns late":
+               fn(remote=True, landed=True, stagger_ns=ns) for ns in STAGGERS_NS},
+            **local}
   if suite == "after_big":
     def pair():
       big = stores_kernel(blocks, 4 * stores, remote=True, landed=True)()

@@ -72,7 +72,6 @@ JAX's own Hopper matmul shows too.)
 import dataclasses
 import functools
 import itertools
-import math
 from typing import Literal
 
 import jax
@@ -85,7 +84,6 @@ from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
-from pallas_kernels import warm
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 SENDS = ("forward", "ring", "push")
@@ -178,10 +176,6 @@ class AllGatherMatmulConfig:
       time and the decode kernel, which meets its peers this way, did not
       (session 30), it is the candidate fix. Experimental: lowering-tested,
       not yet run on GPUs.
-    warm_peers: block 0's first warpgroup prefetches every page of each
-      receiving peer's gathered x at the start (`pallas_kernels.warm`): the
-      candidate fix for the stall of a call's first stores into a peer (AG
-      v23). Experimental: lowering-tested, not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -190,7 +184,6 @@ class AllGatherMatmulConfig:
   stream: bool = False
   whole_rows: bool = False
   entry: bool = False
-  warm_peers: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -200,8 +193,7 @@ class AllGatherMatmulConfig:
   def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
-               whole_rows=d.get("whole_rows", False), entry=d.get("entry", False),
-               warm_peers=d.get("warm_peers", False))
+               whole_rows=d.get("whole_rows", False), entry=d.get("entry", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -278,9 +270,6 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
-  if config.warm_peers and axis_size > 1:
-    return ("config.warm_peers (the peers' pages prefetched at the start) is lowering-tested,"
-            " not yet run on GPUs (benchmarks/NOTES.md, AG v23).")
   return None
 
 
@@ -462,12 +451,6 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     # Where forwarded rows go: every peer, or with "ring" the one that reads
     # them next, me - 1.
     receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
-    if remote and config.warm_peers:
-      @pl.when((lax.axis_index("sm") == 0) & (wg == 0))
-      def _():
-        for receiver in receivers:
-          warm.prefetch_pages(plgpu.remote_ref(gathered_ref, receiver),
-                              math.prod(gathered_ref.shape) * gathered_ref.dtype.itemsize)
 
     def wait_group(k_idx, sources, chunk):
       """The memory warpgroup, before loading step k_idx: if it starts a

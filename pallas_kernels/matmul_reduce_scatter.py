@@ -57,8 +57,6 @@ is reduce-added, each after the owner's `ready`, so no later sender waits for
 the first one's store (at D > 2 with few waves per step that wait is a whole
 tile: the first sender announces a tile one tile late). The own tiles still
 wait for the D - 1 peers' partials, so that the output is complete on exit.
-With `config.zeroed_by_xla` (experimental, RS v14) XLA zero-fills the output
-before the launch instead, and nothing announces or awaits a zeroing.
 
 With `config.interleave` (add_all only; experimental, RS v12), the own tiles
 run among the peers' (`interleaved_place`) instead of last, but for one wave
@@ -96,8 +94,6 @@ interpreter cannot run): that is how the schedule is tested on CPU.
 """
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +105,6 @@ from pallas_kernels import entry
 from pallas_kernels import gemm_core
 from pallas_kernels import signals
 from pallas_kernels import vma
-from pallas_kernels import warm
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 # The GPU kernel's name in profiles: `<KERNEL_NAME>_mosaic_gpu_kernel`.
@@ -160,20 +155,6 @@ class MatmulReduceScatterConfig:
       at the barrier XLA runs before each launch. For multi-process jobs
       (see `AllGatherMatmulConfig.entry`); in one process it was no faster
       (RS v5). Experimental: lowering-tested, not yet run on GPUs.
-    warm_peers: block 0's first warpgroup prefetches every page of each
-      peer's output at the start (`pallas_kernels.warm`): the candidate fix
-      for the stall of a call's first stores into a peer (RS v13).
-      Experimental: lowering-tested, not yet run on GPUs.
-    zeroed_by_xla: with add_all (row-block tiles), XLA zeroes the output
-      before the launch (the kernel writes into a zero-filled `jax.new_ref`
-      operand) instead of the zeroer blocks, and no device announces or
-      awaits a zeroing: the barrier XLA runs before the launch (or, with
-      `entry`, the in-kernel handshake, which a device enters only after
-      its stream's zero fill) already orders every owner's zero fill before
-      any peer's first reduce-add. On 4 H100s the zeroing and its `ready`
-      handshake held a call's first tiles 300-770 kcyc at the 70B-like o
-      projection (session 36). Experimental (RS v14): lowering-tested, not
-      yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -184,8 +165,6 @@ class MatmulReduceScatterConfig:
   k_splits: int = 1
   entry: bool = False
   interleave: bool = False
-  warm_peers: bool = False
-  zeroed_by_xla: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -279,9 +258,7 @@ VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": wit
             "drip_lag2": lambda config: with_drip(config, announce_lag=2),
             "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2),
             "drip_add_all_interleave": lambda config: dataclasses.replace(
-                with_drip(with_add_all(config)), interleave=True),
-            "drip_add_all_xla_zero": lambda config: dataclasses.replace(
-                with_drip(with_add_all(config)), zeroed_by_xla=True)}
+                with_drip(with_add_all(config)), interleave=True)}
 
 
 # whole_rows' K splits trade the weight's streaming from HBM (more items keep
@@ -352,12 +329,6 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.interleave:
     return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
             " GPUs (benchmarks/NOTES.md, RS v12).")
-  if config.warm_peers and axis_size > 1:
-    return ("config.warm_peers (the peers' pages prefetched at the start) is lowering-tested,"
-            " not yet run on GPUs (benchmarks/NOTES.md, RS v13).")
-  if config.zeroed_by_xla:
-    return ("config.zeroed_by_xla (the output zeroed by XLA before the launch, no zeroing"
-            " handshake) is lowering-tested, not yet run on GPUs (benchmarks/NOTES.md, RS v14).")
   return None
 
 
@@ -441,10 +412,6 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
     return f"the kernel supports bf16 and fp16, got {jnp.dtype(dtype).name}."
   if not isinstance(config, MatmulReduceScatterConfig):
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
-  if config.zeroed_by_xla and (config.whole_rows or not config.add_all):
-    return ("config.zeroed_by_xla replaces add_all's zeroing with row-block tiles: it needs"
-            f" add_all=True and whole_rows=False; got add_all={config.add_all},"
-            f" whole_rows={config.whole_rows}.")
   if config.whole_rows:
     return _whole_rows_reason(rows, k_shard, n, jnp.dtype(dtype).itemsize, config, axis_size)
   t = config.tiles
@@ -549,16 +516,6 @@ def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   return peers_in
 
 
-def _warm_peers(out_ref, axis_name, d: int, me, sm, wg) -> None:
-  """config.warm_peers: block 0's first warpgroup prefetches every page of
-  each peer's output (`warm.prefetch_pages`) at the start."""
-  @pl.when((sm == 0) & (wg == 0))
-  def _():
-    for offset in range(1, d):
-      warm.prefetch_pages(plgpu.remote_ref(out_ref, {axis_name: lax.rem(me + offset, d)}),
-                          math.prod(out_ref.shape) * out_ref.dtype.itemsize)
-
-
 def _pad_blocks(x, d: int, rows: int, padded: int):
   """x [d * rows, K] -> [d * padded, K]: each device's row block padded with
   zero rows."""
@@ -616,9 +573,6 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   # interleave also runs stand-alone (the schedule's CPU tests).
   interleave = config.interleave and d > 1
   grid = min(num_sms, total)
-  # add_all's zero fill: by XLA before the launch, or by the kernel's last
-  # `zeroers` blocks, which announce it (`ready`).
-  xla_zero = add_all and config.zeroed_by_xla
   zeroers = _zeroers(total, grid)
   meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
 
@@ -627,8 +581,6 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
     peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
-    if remote and config.warm_peers:
-      _warm_peers(out_ref, axis_name, d, me, sm, wg)
     if remote:
       # landed[t, wg]: the peers' halves of own tile t; interleaved, one count
       # of every peer half, awaited once at the end.
@@ -637,8 +589,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
                   if d > 2 and not add_all else None)
       # ready[o]: how many of device o's zeroing warpgroups (2 per zeroer
       # block) have zeroed their share of o's output (add_all).
-      ready = (pl.get_global(plgpu.SemaphoreType.REGULAR((d,)))
-               if add_all and not xla_zero else None)
+      ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,))) if add_all else None
 
     def place(lin):
       """(step, t, chunk, n_idx) of the tile numbered `lin`."""
@@ -811,7 +762,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):
-      if add_all and not xla_zero:
+      if add_all:
         pl.when((wg < 2) & (sm >= grid - zeroers))(
             jax.named_scope("zero")(lambda: zero_own_share(scratch)))
 
@@ -839,14 +790,8 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
-  kernel = functools.partial(gemm_core.launch, body, name=KERNEL_NAME, num_sms=grid,
-                             interpret=interpret, skip_device_barrier=meet)
-  if xla_zero:  # the kernel adds into XLA's zero fill, in place
-    out = jax.new_ref(jnp.zeros(shape, x.dtype))
-    kernel(out_type=())(x, w, out)
-    out = out[...]
-  else:
-    out = kernel(out_type=jax.ShapeDtypeStruct(shape, x.dtype))(x, w)
+  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
+                         num_sms=grid, interpret=interpret, skip_device_barrier=meet)(x, w)
   out = out[..., :rows, :]
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))
 
@@ -891,8 +836,6 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
     peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
-    if remote and config.warm_peers:
-      _warm_peers(out_ref, axis_name, d, me, sm, wg)
     if remote:
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,)))
       landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))

@@ -607,44 +607,40 @@ def test_gradients_match_the_xla_path(shape, w_transposed):
     assert np.abs(got - want).max() <= 2e-2 * scale, (name, np.abs(got - want).max(), scale)
 
 
-# --- entry (the devices meet inside the kernel, not at XLA's barrier) and
-# warm_peers (the receivers' pages prefetched at the start): switches on -------
+# --- entry: the devices meet inside the kernel, not at XLA's barrier ---------------
 
 
-def _switched_config(send: str, m_shard: int, k: int, n_shard: int, d: int, switch: str):
+def _entry_config(send: str, m_shard: int, k: int, n_shard: int, d: int):
   config = (_whole_config(m_shard, n_shard, d) if send == "whole"
             else _config(m_shard, k, n_shard, BF16, d, send))
-  return dataclasses.replace(config, **{switch: True})
+  return dataclasses.replace(config, entry=True)
 
 
 @TIMEOUT
-# warm_peers: experimental (never run on GPUs), left out of the GPU suite.
-@pytest.mark.parametrize("switch", ["entry", pytest.param("warm_peers",
-                                                          marks=pytest.mark.experimental)])
 @pytest.mark.parametrize("send", ["forward", "ring", "push", "whole"])
-def test_switch_back_to_back_and_in_a_scan(send, switch):
-  """config.entry (no XLA barrier; the in-kernel handshake) or
-  config.warm_peers (AG v23): 5 unblocked calls on new data each (a signal
-  or a row block landing in the wrong call shows up as a wrong result), then
-  50 layers under lax.scan; every device's output and gathered x checked."""
+def test_entry_back_to_back_and_in_a_scan(send):
+  """config.entry (no XLA barrier; the in-kernel handshake): 5 unblocked calls
+  on new data each (a signal or a row block landing in the wrong call shows
+  up as a wrong result), then 50 layers under lax.scan; every device's
+  output and gathered x checked."""
   mesh = _mesh_1d()
   d = mesh.shape[AXIS]
   shape = (32, 2048, 8192) if send == "whole" else (1024, 2048, 4096)
   m_shard, k, n_shard = shape
-  config = _switched_config(send, m_shard, k, n_shard, d, switch)
+  config = _entry_config(send, m_shard, k, n_shard, d)
   with jax.set_mesh(mesh):
     f = _per_shard_fn(mesh, return_gathered=True, config=config)
-    inputs = [_global_operands(mesh, shape, BF16, switch, send, i) for i in range(5)]
+    inputs = [_global_operands(mesh, shape, BF16, "entry", send, i) for i in range(5)]
     results = [f(ops.x, ops.w) for ops in inputs]
     for i, (ops, (out, gathered)) in enumerate(zip(inputs, results)):
-      _check_gathered(gathered, ops.x_host, f"{switch} {send} call {i}: gathered x")
-      _check(out, _reference(ops.x_host, ops.w_host), BF16, k, f"{switch} {send} call {i}: out",
+      _check_gathered(gathered, ops.x_host, f"entry {send} call {i}: gathered x")
+      _check(out, _reference(ops.x_host, ops.w_host), BF16, k, f"entry {send} call {i}: out",
              m_shard)
-    key = _key(f"{switch} scan", send)
+    key = _key("entry scan", send)
     x = jax.reshard(_normal(jax.random.fold_in(key, 0), (d * m_shard, k), BF16, 1.0),
                     P(AXIS, None))
     ws = jax.reshard(_normal(jax.random.fold_in(key, 1), (LAYERS, k, d * n_shard), BF16,
                              1.0 / math.sqrt(k)), P(None, None, AXIS))
     ys = _scan_fn(mesh, "per_shard", config)(x, ws)
     _check(ys, _layers_reference(np.asarray(x), np.asarray(ws)), BF16, k,
-           f"{LAYERS} scanned layers ({switch}, {send})")
+           f"{LAYERS} scanned layers (entry, {send})")

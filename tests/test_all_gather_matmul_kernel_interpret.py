@@ -748,33 +748,3 @@ def test_warpgroups_side_by_side_need_whole_swizzle_tiles_of_b():
   reason = tiles.unsupported_reason(64, 1024, 1024, 2)
   assert "tile_n % 64 == 0" in reason and "tile_n=32" in reason
   assert dataclasses.replace(tiles, wg_split="m").unsupported_reason(128, 1024, 1024, 2) is None
-
-
-@pytest.mark.parametrize("d,send", [(2, "forward"), (4, "ring"), (4, "push")])
-def test_warm_peers_prefetches_the_receivers_pages(d, send):
-  """config.warm_peers (experimental, AG v23): the kernel prefetches every
-  2 MiB page of a receiver's gathered x at the start (`pallas_kernels.warm`),
-  and only with it; explain flags it over peers."""
-  m, k, n = 1024, 4096, 4096  # gathered x: d x 8 MiB, 4 pages per device's rows
-  mesh = jax.make_mesh((d,), ("x",))
-  base = dataclasses.replace(agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132),
-                             send=send)
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
-
-  def module(config):
-    body = lambda x, w: agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132,
-                                              return_gathered=False)[0]
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
-                              out_specs=jax.P(None, "x")))
-    return jax.export.export(f, platforms=["cuda"])(
-        sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
-
-  warm_config = dataclasses.replace(base, warm_peers=True)
-  warmed, plain = module(warm_config), module(base)
-  last_page = (d * m * k * 2 - 1) // (2 << 20) * (2 << 20)
-  assert "prefetch.global.L2 [$0+0]" in warmed and f"[$0+{last_page}]" in warmed
-  assert "prefetch.global.L2" not in plain
-  assert "warm_peers" in agm.experimental_reason(warm_config, axis_size=d)
-  assert agm.experimental_reason(warm_config, axis_size=1) is None
-  assert agm.AllGatherMatmulConfig.from_dict(warm_config.to_dict()) == warm_config

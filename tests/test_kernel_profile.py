@@ -118,3 +118,16 @@ def test_in_program_runs_every_call_on_its_own_input():
   out = program(jnp.ones((2,), jnp.float32), jnp.full((2,), 2.0, jnp.float32))
   assert [o.tolist() for o in out] == [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]
   assert kernel_profile.in_program(abs, 1) is abs
+
+
+def test_peer_store_probe_ramp_suite_lowers_for_cuda():
+  """Suite "ramp": the plain kernel and one per stagger (each spinning on
+  %globaltimer by its block index first), then the local one."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                    for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="ramp").values())
+  assert len(remote) == 1 + len(peer_store_probe.STAGGERS_NS) and len(set(remote)) == len(remote)
+  assert ["%ctaid.x" in m for m in remote] == [False] + [True] * len(peer_store_probe.STAGGERS_NS)
+  for ns, module in zip(peer_store_probe.STAGGERS_NS, remote[1:]):
+    assert f"mul.lo.u64 wait, wait, {ns}" in module
+  assert "mosaic_gpu.device_id_load" not in local

@@ -333,39 +333,34 @@ def test_gradients_match_the_xla_path(shape, w_transposed):
       assert np.all(np.abs(a - b) <= 0.02 * np.abs(b) + 0.02 * scale), name
 
 
-# --- entry (the devices meet inside the kernel, not at XLA's barrier) and
-# warm_peers (the owners' pages prefetched at the start): switches on -------------
+# --- entry: the devices meet inside the kernel, not at XLA's barrier ---------------
 
 
-# warm_peers: experimental (never run on GPUs), left out of the GPU suite.
-@pytest.mark.parametrize("switch", ["entry", pytest.param("warm_peers",
-                                                          marks=pytest.mark.experimental)])
 @pytest.mark.parametrize("design", ["default", "plain", "whole_rows"])
-def test_switch_back_to_back_and_in_a_scan(design, switch):
-  """config.entry (no XLA barrier; the in-kernel handshake) or
-  config.warm_peers (RS v13): 5 unblocked calls on new data each (a partial
-  or signal landing in the wrong call shows up as a wrong value), then 20
-  layers under lax.scan; every device's rows checked."""
+def test_entry_back_to_back_and_in_a_scan(design):
+  """config.entry (no XLA barrier; the in-kernel handshake): 5 unblocked calls
+  on new data each (a partial or signal landing in the wrong call shows up as
+  a wrong value), then 20 layers under lax.scan; every device's rows checked."""
   mesh = _mesh()
   d = mesh.shape[AXIS]
   m, k_shard, n = (d * 16, 4096, 8192) if design == "whole_rows" else (2048, 1024, 4096)
   make = {"default": kernel.default_config, "plain": kernel.base_config,
           "whole_rows": kernel.whole_rows_config}[design]
   config = dataclasses.replace(make(m // d, k_shard, n, BF16, axis_size=d,
-                                    num_sms=platform.num_sms()), **{switch: True})
+                                    num_sms=platform.num_sms()), entry=True)
   assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config, axis_size=d) is None
   f = _fused(mesh, config=config)
   with jax.set_mesh(mesh):
-    inputs = [_operands(mesh, m, k_shard, n, BF16, switch, design, i) for i in range(5)]
+    inputs = [_operands(mesh, m, k_shard, n, BF16, "entry", design, i) for i in range(5)]
     outs = [f(x, w) for x, w in inputs]
     for i, ((x, w), out) in enumerate(zip(inputs, outs)):
-      _check(out, _partials(mesh, x, w), BF16, f"{switch} {design} call {i}", x.shape[1])
+      _check(out, _partials(mesh, x, w), BF16, f"entry {design} call {i}", x.shape[1])
     layers = 20
-    x, _ = _operands(mesh, m, k_shard, n, BF16, f"{switch} scan x", design)
+    x, _ = _operands(mesh, m, k_shard, n, BF16, "entry scan x", design)
     ws = jax.jit(lambda k: (jax.random.normal(k, (layers, d * k_shard, n), jnp.float32)
                             / math.sqrt(d * k_shard)).astype(BF16),
                  out_shardings=jax.NamedSharding(mesh, P(None, AXIS, None)))(
-                     _key(f"{switch} scan w", design))
+                     _key("entry scan w", design))
 
     def body(x, ws):
       step = lambda carry, w: (carry, jax_overlap.matmul_reduce_scatter(
@@ -377,4 +372,4 @@ def test_switch_back_to_back_and_in_a_scan(design, switch):
     for layer in (0, 1, layers - 1):
       w = jax.reshard(ws[layer], W_SPEC)
       _check(jax.reshard(ys[layer], OUT_SPEC), _partials(mesh, x, w), BF16,
-             f"{switch} {design} scan layer {layer}", x.shape[1])
+             f"entry {design} scan layer {layer}", x.shape[1])

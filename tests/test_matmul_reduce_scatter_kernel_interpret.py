@@ -422,7 +422,7 @@ def test_only_the_unmeasured_variants_are_experimental():
   """Benchmarks and the GPU suite leave experimental variants out unless
   named; the measured ones stay in."""
   assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {
-      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave", "drip_add_all_xla_zero"}
+      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave"}
 
 
 @pytest.mark.parametrize("d,per_step,grid", [
@@ -666,59 +666,3 @@ def test_entry_meets_the_peers_inside_the_kernel(d, rows, k, design):
     assert ("skip_device_barrier = true" in module) == meet
     assert module.count("bra SPIN") == int(meet)
     assert module.count("ld.relaxed.sys.global.b32 first") == (d - 1) * meet
-
-
-@pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (8192, 1024, 1024)),
-                                     (4, (64, 4096, 7168))], ids=["d2", "d4", "d4_whole_rows"])
-def test_warm_peers_prefetches_the_owners_pages(d, shape):
-  """config.warm_peers (experimental, RS v13): the kernel prefetches every
-  2 MiB page of each peer's output at the start (`pallas_kernels.warm`),
-  with the row-block tiles and with whole_rows, and only with it; explain
-  flags it over peers."""
-  m, k, n = shape
-  config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
-  warm_config = dataclasses.replace(config, warm_peers=True)
-  warmed, plain = _cuda_module(warm_config, m, k, n, d), _cuda_module(config, m, k, n, d)
-  assert "prefetch.global.L2 [$0+0]" in warmed
-  assert "prefetch.global.L2" not in plain
-  assert "warm_peers" in rs.experimental_reason(warm_config, axis_size=d)
-  assert rs.experimental_reason(dataclasses.replace(warm_config, whole_rows=False),
-                                axis_size=1) is None  # no peers to warm
-
-
-@pytest.mark.parametrize("d", [2, 4])
-def test_zeroed_by_xla_lowers_for_cuda_without_the_zeroing_handshake(d):
-  """zeroed_by_xla (experimental, RS v14): drip + add_all whose kernel adds
-  into XLA's zero fill (an operand aliased to the kernel's result): no
-  zeroing phase, no `ready` signal or wait, the reduce-adds and the tiles'
-  announcements as before; the result keeps the axis varying."""
-  m, k, n = 256 * d, 1024, 1024
-  base = rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
-  zeroed = rs.VARIANTS["drip_add_all_xla_zero"](base)
-  assert rs.unsupported_reason(m // d, k, n, BF16, zeroed, axis_size=d) is None
-  assert "zeroed_by_xla" in rs.experimental_reason(zeroed, axis_size=d)
-
-  def body(config):
-    def run(x, w):
-      out = rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132)
-      assert out.shape == (m // d, n)
-      assert jax.typeof(out).manual_axis_type.varying == frozenset({"x"})
-      return out
-    return run
-
-  handshake, fill = (_cuda_module(c, m, k, n, d, body(c))
-                     for c in (rs.VARIANTS["drip_add_all"](base), zeroed))
-  assert "wait_ready" in handshake and "wait_ready" not in fill
-  assert "red.release.gpu" in handshake and "red.release.gpu" not in fill  # the local ready
-  assert "red.release.sys" in fill  # the tiles' announcements
-  aliases = lambda module: module.count("#stablehlo.output_operand_alias<")
-  assert aliases(fill) == aliases(handshake) + 1  # the zero fill, besides the semaphores
-
-
-def test_zeroed_by_xla_needs_add_all_and_row_block_tiles():
-  base = rs.base_config(512, 1024, 1024, BF16, axis_size=4, num_sms=132)
-  for config in (dataclasses.replace(base, zeroed_by_xla=True),
-                 dataclasses.replace(rs.whole_rows_config(16, 4096, 8192, BF16, axis_size=4,
-                                                          num_sms=132),
-                                     add_all=True, zeroed_by_xla=True)):
-    assert "zeroed_by_xla" in rs.unsupported_reason(512, 1024, 1024, BF16, config, axis_size=4)
