@@ -77,6 +77,11 @@ program. One block, 8 or 33 blocks of 64 stores never stalled; 132 blocks of
 it is the start's burst, 132 SMs storing distinct data at the same moment:
 block b starts b x 100 or b x 500 ns late (the last 13 or 66 µs late). If
 the stall then goes, a kernel can ramp its first stores into peers up.
+Its answer: no. The stall ends ~180-190 kcyc after the kernel's start
+however late a block's first store comes (the late blocks wait less, the
+kernels end together). "device 0 alone": only device 0 stores (into device
+1), the others idle: whether it takes every device sending and receiving at
+once.
 """
 
 import jax
@@ -162,7 +167,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   first_shared: bool = False, warm_other: bool = False,
                   meet_first: bool = False, delay_us: int = 0,
                   touch_first: bool | str = False, stagger_ns: int = 0,
-                  page_major: bool = False,
+                  page_major: bool = False, one_sender: bool = False,
                   passes: int = 1, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
@@ -180,7 +185,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   wait (scope `touch_wait`); with stagger_ns block b first spins b x
   stagger_ns (scope `stagger`). With page_major block b's s-th store goes to
   tile s * blocks + b of the buffer in row-major tile order instead; with
-  passes every block runs its stores that many times over the same tiles."""
+  passes every block runs its stores that many times over the same tiles;
+  with one_sender only device 0 stores (into device 1), the others idle."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -220,7 +226,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           plgpu.copy_smem_to_gmem(tile, plgpu.remote_ref(other[0], peer))
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-    @pl.loop(0, stores * passes)
+    storing = (lax.axis_index(axis_name) == 0) if remote and one_sender else True
+
+    @pl.loop(0, jnp.where(storing, stores * passes, 0))
     def _(i):
       with jax.named_scope("store"):
         s = lax.rem(i, stores)
@@ -267,6 +275,7 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
     return {f"{into}, each landed": fn(remote=True, landed=True),
             **{f"{into}, each landed, block b starting b x {ns} ns late":
                fn(remote=True, landed=True, stagger_ns=ns) for ns in STAGGERS_NS},
+            f"{into}, each landed, device 0 alone": fn(remote=True, landed=True, one_sender=True),
             **local}
   if suite == "after_big":
     def pair():
