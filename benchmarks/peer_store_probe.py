@@ -99,6 +99,10 @@ ROWS = COLS = 64
 DTYPE = jnp.bfloat16
 DELAY_US = 150  # the delay_us kernel's: past the ~100 µs of the stall
 PAGE_BYTES = 2 << 20  # Hopper's large pages
+# one_sender: how long the idle devices spin. Every device's kernel writes
+# its trace to the same file and the first one written stays, so the idle
+# devices must end after the sender (132 x 64 stores take ~300 µs).
+IDLE_US = 2000
 
 
 def spin_for(microseconds: int, per_block_ns: int = 0) -> None:
@@ -186,7 +190,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   stagger_ns (scope `stagger`). With page_major block b's s-th store goes to
   tile s * blocks + b of the buffer in row-major tile order instead; with
   passes every block runs its stores that many times over the same tiles;
-  with one_sender only device 0 stores (into device 1), the others idle."""
+  with one_sender only device 0 stores (into device 1), the others spin for
+  IDLE_US."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -227,6 +232,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
     storing = (lax.axis_index(axis_name) == 0) if remote and one_sender else True
+    if remote and one_sender:  # the idle devices end last, so that device 0's trace is written
+      pl.when(jnp.logical_not(storing))(lambda: spin_for(IDLE_US))
 
     @pl.loop(0, jnp.where(storing, stores * passes, 0))
     def _(i):

@@ -122,14 +122,15 @@ def test_in_program_runs_every_call_on_its_own_input():
 
 def test_peer_store_probe_ramp_suite_lowers_for_cuda():
   """Suite "ramp": the plain kernel, one per stagger (each spinning on
-  %globaltimer by its block index first), device 0 alone, then the local
-  one."""
+  %globaltimer by its block index first), device 0 alone (the others
+  spinning), then the local one."""
   mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
   *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
                     for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="ramp").values())
   staggers = len(peer_store_probe.STAGGERS_NS)
   assert len(remote) == 2 + staggers and len(set(remote)) == len(remote)
-  assert ["%ctaid.x" in m for m in remote] == [False] + [True] * staggers + [False]
+  assert ["%ctaid.x" in m for m in remote] == [False] + [True] * (staggers + 1)  # + idle spin
+  assert f"add.u64 wait, wait, {peer_store_probe.IDLE_US * 1000}" in remote[-1]
   for ns, module in zip(peer_store_probe.STAGGERS_NS, remote[1:]):
     assert f"mul.lo.u64 wait, wait, {ns}" in module
   assert "mosaic_gpu.device_id_load" not in local
