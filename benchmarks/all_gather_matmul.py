@@ -11,7 +11,10 @@ Cases:
             pallas_ring, pallas_push, pallas_forward_stream and
             pallas_ring_stream: the kernel with each send design forced
             (default tiles; `_stream`: per-group waits, AllGatherMatmulConfig
-            .stream), to keep the designs' numbers side by side.
+            .stream), to keep the designs' numbers side by side;
+            pallas_push_capped (opt-in): "push" from CAPPED_PUSHERS blocks
+            only (the peer-store probe's 33 storing blocks never stalled,
+            132 always: benchmarks/NOTES.md, session 36).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -69,12 +72,14 @@ def _default_config(shape: shapes.AllGatherMatmulShape, mesh):
 
 # The send designs timed side by side: (send, stream), case pallas_<send>[_stream].
 SEND_DESIGNS = (*((send, False) for send in ag_kernel.SENDS), ("forward", True), ("ring", True))
+# pallas_push_capped: the blocks that push.
+CAPPED_PUSHERS = 32
 
 
 def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
-                 send: str, stream: bool) -> runner.Built:
+                 send: str, stream: bool, pushers: int | None = None) -> runner.Built:
   cases.require_hopper("our kernel")
-  config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=None,
+  config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=pushers,
                                stream=stream)
   return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
                       {"config": repr(config)})
@@ -133,6 +138,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       *(runner.Case(f"pallas_{send}{'_stream' if stream else ''}", "ours",
                     functools.partial(_pallas_send, shape, mesh, inputs, send, stream))
         for send, stream in SEND_DESIGNS),
+      runner.Case("pallas_push_capped", "ours", functools.partial(
+          _pallas_send, shape, mesh, inputs, "push", False, CAPPED_PUSHERS), opt_in=True),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
