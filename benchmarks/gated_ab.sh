@@ -14,7 +14,8 @@
 # D = 2 on GPUs 0 and 1; EXTRA: more benchmark flags. Output: $OUT/log.txt
 # (every step's output), the benchmarks' JSON and charts in $OUT
 # (default ./bench_out); BASE_IMPLS: the contenders timed beside the designs
-# that pass (default: ours, the baselines, the floors). Session 24 ran it for both ops in two calls.
+# that pass (default: ours, the baselines, the floors). Session 24 ran it for
+# both ops in two calls.
 set -u
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

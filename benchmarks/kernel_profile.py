@@ -76,8 +76,9 @@ _IN_PROGRAM = flags.DEFINE_integer(
     "in_program", 1, "Calls of the op inside one jitted program (the first input offset by"
     " the call's index, so that none is a copy of another): whether what a call pays at its"
     " start is paid once per program (traces then alternate between the calls).")
-_KERNELS_ONLY = flags.DEFINE_list("kernels", [], "Profile only the kernels whose labels are listed (all"
-                          " when empty).")
+_KERNELS_ONLY = flags.DEFINE_multi_string(
+    "kernel", [], "Profile only the kernel of this label (repeatable; labels may hold commas);"
+    " all when not given.")
 _CALLS = flags.DEFINE_integer("calls", 8, "Calls back to back after the warm-up.")
 _KEEP = flags.DEFINE_integer("keep", 3, "Traces kept and summarized per kernel (the last ones).")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where traces go.")

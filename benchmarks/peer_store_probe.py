@@ -46,13 +46,14 @@ store's own scope holds its stall):
     result, so the thread never waits; if the stores are then fast too, the
     warm-up costs its issuing thread nothing.
 
-Session 36 (4 H100s, D = 4): a cost per page, not per call. One block
-storing 64 tiles (one page) never stalls; every block's first stores into
+Session 36 (4 H100s, D = 4), the same kernels: the handshake, a 150 µs
+delay, a store into another buffer and prefetches change nothing; pages
+looked like the cause at first. One block storing 64 tiles (one page)
+never stalls; every block's first stores into
 one shared tile land at once, the stores into their own pages after them
 stall longer (~270 kcyc); a thread reading a word of each of the 33 pages,
 all reads in flight, takes 240-290 kcyc (~8 per page: served one at a time)
-and leaves ~80-130 of the stall; the handshake, a 150 µs delay, a store
-into another buffer and prefetches change nothing. The suite "order" asks
+and leaves ~80-130 of the stall. The suite "order" asks
 how the stall scales and whether a kernel can pay it a page at a time:
   page_major: the s-th stores of all blocks go to consecutive tiles of the
     buffer (tile s * blocks + b in row-major tile order), so each wave of
@@ -80,8 +81,8 @@ the stall then goes, a kernel can ramp its first stores into peers up.
 Its answer: no. The stall ends ~180-190 kcyc after the kernel's start
 however late a block's first store comes (the late blocks wait less, the
 kernels end together). "device 0 alone": only device 0 stores (into device
-1), the others idle: whether it takes every device sending and receiving at
-once.
+1) while the others spin: whether it takes every device sending and
+receiving at once.
 """
 
 import jax
@@ -269,8 +270,9 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   warm_other, meet_first, delay_us=DELAY_US, touch_first,
   touch_first="prefetch". Suite "order": each landed, plainly, page_major,
   passes=2. Suite "after_big": each landed, the kernel after one with 4x
-  the stores, in one program. Suite "ramp": each landed, plainly and with
-  the blocks' starts staggered (STAGGERS_NS). The kernels are built when the functions are first traced
+  the stores, in one program. Suite "ramp": each landed, plainly, with the
+  blocks' starts staggered (STAGGERS_NS), and from device 0 alone
+  (one_sender). The kernels are built when the functions are first traced
   (inside kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
