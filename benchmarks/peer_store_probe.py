@@ -82,7 +82,10 @@ Its answer: no. The stall ends ~180-190 kcyc after the kernel's start
 however late a block's first store comes (the late blocks wait less, the
 kernels end together). "device 0 alone": only device 0 stores (into device
 1) while the others spin: whether it takes every device sending and
-receiving at once.
+receiving at once. The suite "size" separates the grid from the storing
+blocks and the buffer: in a grid of 132 blocks, block 0 alone stores (into
+its rows; or spread over the whole buffer's pages), or the first quarter of
+the blocks (33 blocks in a grid of 33 never stalled).
 """
 
 import jax
@@ -173,6 +176,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   meet_first: bool = False, delay_us: int = 0,
                   touch_first: bool | str = False, stagger_ns: int = 0,
                   page_major: bool = False, one_sender: bool = False,
+                  storing_blocks: int | None = None, spread: bool = False,
                   passes: int = 1, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
@@ -192,7 +196,9 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   tile s * blocks + b of the buffer in row-major tile order instead; with
   passes every block runs its stores that many times over the same tiles;
   with one_sender only device 0 stores (into device 1), the others spin for
-  IDLE_US."""
+  IDLE_US; with storing_blocks only the first that many blocks store (the
+  others exit at once); with spread the s-th store goes to row block
+  s x blocks / stores (one block's stores then span the whole buffer)."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -233,6 +239,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
     storing = (lax.axis_index(axis_name) == 0) if remote and one_sender else True
+    if storing_blocks is not None:
+      storing = jnp.logical_and(storing, block < storing_blocks)
     if remote and one_sender:  # the idle devices end last, so that device 0's trace is written
       pl.when(jnp.logical_not(storing))(lambda: spin_for(IDLE_US))
 
@@ -244,6 +252,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
         if page_major:
           t = s * blocks + block
           row_tile, col_tile = t // stores, lax.rem(t, stores)
+        if spread:
+          row_tile = s * blocks // stores
         if first_shared:
           row_tile = jnp.where(i == 0, 0, row_tile)
         plgpu.copy_smem_to_gmem(
@@ -259,7 +269,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                       scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
 
 
-SUITES = ("causes", "order", "after_big", "ramp")
+SUITES = ("causes", "order", "after_big", "ramp", "size")
 STAGGERS_NS = (100, 500)  # suite "ramp": 13 and 66 µs from the first block's start to the last's
 
 
@@ -272,7 +282,9 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   passes=2. Suite "after_big": each landed, the kernel after one with 4x
   the stores, in one program. Suite "ramp": each landed, plainly, with the
   blocks' starts staggered (STAGGERS_NS), and from device 0 alone
-  (one_sender). The kernels are built when the functions are first traced
+  (one_sender). Suite "size": each landed, from every block, from block 0
+  alone (its rows, and spread across the buffer), from the first quarter of
+  the blocks. The kernels are built when the functions are first traced
   (inside kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -280,6 +292,14 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
     return spmd.per_shard(body, mesh, (), out_specs), ()
   into = f"into the next device ({blocks} blocks x {stores} stores of 8 KB)"
   local = {"into this device (no exchange)": fn(remote=False)}
+  if suite == "size":
+    return {f"{into}, each landed": fn(remote=True, landed=True),
+            f"{into}, each landed, block 0 alone": fn(remote=True, landed=True, storing_blocks=1),
+            f"{into}, each landed, block 0 alone, across the buffer":
+                fn(remote=True, landed=True, storing_blocks=1, spread=True),
+            f"{into}, each landed, the first {blocks // 4} blocks alone":
+                fn(remote=True, landed=True, storing_blocks=blocks // 4),
+            **local}
   if suite == "ramp":
     return {f"{into}, each landed": fn(remote=True, landed=True),
             **{f"{into}, each landed, block b starting b x {ns} ns late":

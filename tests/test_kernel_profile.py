@@ -134,3 +134,15 @@ def test_peer_store_probe_ramp_suite_lowers_for_cuda():
   for ns, module in zip(peer_store_probe.STAGGERS_NS, remote[1:]):
     assert f"mul.lo.u64 wait, wait, {ns}" in module
   assert "mosaic_gpu.device_id_load" not in local
+
+
+def test_peer_store_probe_size_suite_lowers_for_cuda():
+  """Suite "size": four kernels storing into the next device (every block;
+  block 0 alone, its rows or spread; the first quarter), each a different
+  kernel, then the local one."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                    for fn, args in peer_store_probe.kernels(mesh, 8, 4, suite="size").values())
+  assert len(remote) == 4 and len(set(remote)) == 4
+  assert all("mosaic_gpu.device_id_load" in m for m in remote)
+  assert "mosaic_gpu.device_id_load" not in local
