@@ -12,9 +12,11 @@ Cases:
             pallas_ring_stream: the kernel with each send design forced
             (default tiles; `_stream`: per-group waits, AllGatherMatmulConfig
             .stream), to keep the designs' numbers side by side;
-            pallas_push_capped (opt-in): "push" from CAPPED_PUSHERS blocks
-            only (the peer-store probe's 33 storing blocks never stalled,
-            132 always: benchmarks/NOTES.md, session 36).
+            pallas_fwd<F> (opt-in, F in FORWARDER_CAPS): the default config
+            with F forwarding tiles per row chunk (`forwarders`; "forward"
+            and "ring" sends): fewer SMs storing into peers at once (the
+            peer-store probe's 33 storing blocks never stalled, 66 and 132
+            did: benchmarks/NOTES.md, session 37).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -36,6 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
+from jax_overlap import tuned
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import platform
 from benchmarks import cases
@@ -65,24 +68,41 @@ def ours_fn(mesh, impl: str, config=None):
   return spmd.per_shard(body, mesh, (X_SPEC, W_SPEC), OUT_SPEC)
 
 
-def _default_config(shape: shapes.AllGatherMatmulShape, mesh):
-  return ag_kernel.default_config(shape.m_shard, shape.k, shape.n_shard, DTYPE,
-                                  axis_size=mesh.size, num_sms=platform.num_sms())
+def fused_config(shape: shapes.AllGatherMatmulShape, mesh):
+  """The config `impl="pallas"` runs for this shape over the mesh's devices
+  in one process: the device's tuned one, else the kernel's default."""
+  return tuned.all_gather_matmul_config(
+      platform.device_kind(), mesh.size, shape.m_shard, shape.k, shape.n_shard, DTYPE
+  ) or ag_kernel.default_config(shape.m_shard, shape.k, shape.n_shard, DTYPE,
+                                axis_size=mesh.size, num_sms=platform.num_sms())
 
 
 # The send designs timed side by side: (send, stream), case pallas_<send>[_stream].
 SEND_DESIGNS = (*((send, False) for send in ag_kernel.SENDS), ("forward", True), ("ring", True))
-# pallas_push_capped: the blocks that push.
-CAPPED_PUSHERS = 32
+# pallas_fwd<F>: forwarding tiles per row chunk.
+FORWARDER_CAPS = (1, 2, 4)
+
+
+def _pallas_config(mesh, inputs: cases.Operands, config) -> runner.Built:
+  return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
+                      {"config": repr(config)})
 
 
 def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
-                 send: str, stream: bool, pushers: int | None = None) -> runner.Built:
+                 send: str, stream: bool) -> runner.Built:
   cases.require_hopper("our kernel")
-  config = dataclasses.replace(_default_config(shape, mesh), send=send, pushers=pushers,
-                               stream=stream)
-  return runner.Built(ours_fn(mesh, "pallas", config), (inputs.x, inputs.w),
-                      {"config": repr(config)})
+  config = dataclasses.replace(fused_config(shape, mesh), send=send, stream=stream)
+  return _pallas_config(mesh, inputs, config)
+
+
+def _pallas_forwarders(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
+                       forwarders: int) -> runner.Built:
+  cases.require_hopper("our kernel")
+  config = fused_config(shape, mesh)
+  if config.send == "push":
+    raise runner.Skip(f"the default config pushes ({config}); forwarders apply to 'forward' and"
+                      " 'ring'.")
+  return _pallas_config(mesh, inputs, dataclasses.replace(config, forwarders=forwarders))
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
@@ -111,7 +131,7 @@ def _gemm_alone(mesh, inputs: cases.Operands) -> runner.Built:
 
 def pallas_core(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands) -> runner.Built:
   cases.require_hopper("our kernel")
-  config = _default_config(shape, mesh)
+  config = fused_config(shape, mesh)
 
   def body(gathered, w):
     out, _ = ag_kernel.all_gather_matmul(
@@ -138,8 +158,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       *(runner.Case(f"pallas_{send}{'_stream' if stream else ''}", "ours",
                     functools.partial(_pallas_send, shape, mesh, inputs, send, stream))
         for send, stream in SEND_DESIGNS),
-      runner.Case("pallas_push_capped", "ours", functools.partial(
-          _pallas_send, shape, mesh, inputs, "push", False, CAPPED_PUSHERS), opt_in=True),
+      *(runner.Case(f"pallas_fwd{f}", "ours", functools.partial(
+          _pallas_forwarders, shape, mesh, inputs, f), opt_in=True) for f in FORWARDER_CAPS),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -169,7 +189,7 @@ OP = runner.OpSpec(
     # Ours (as `auto` runs it, and each send design), the baselines that come
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
-                "pallas_ring_stream", "user_bsp",
+                "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )
 

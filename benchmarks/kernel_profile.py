@@ -207,7 +207,13 @@ def _kernels(op: str, dims: tuple[int, ...]):
     shape = shapes.AllGatherMatmulShape(*dims)
     inputs = ag_bench.setup(shape, mesh)
     core = ag_bench.pallas_core(shape, mesh, inputs)
-    return {"fused": (ag_bench.ours_fn(mesh, "pallas"), (inputs.x, inputs.w)),
+    args = (inputs.x, inputs.w)
+    config = ag_bench.fused_config(shape, mesh)
+    capped = {} if config.send == "push" else {
+        f"fused, forwarders={f}": (ag_bench.ours_fn(
+            mesh, "pallas", dataclasses.replace(config, forwarders=f)), args)
+        for f in ag_bench.FORWARDER_CAPS}
+    return {"fused": (ag_bench.ours_fn(mesh, "pallas"), args), **capped,
             "core (x pre-gathered)": (core.fn, core.args)}
   if op == "matmul_reduce_scatter":
     shape = shapes.MatmulReduceScatterShape(*dims)

@@ -177,7 +177,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   touch_first: bool | str = False, stagger_ns: int = 0,
                   page_major: bool = False, one_sender: bool = False,
                   storing_blocks: int | None = None, spread: bool = False,
-                  passes: int = 1, axis_name: str = spmd.AXIS):
+                  passes: int = 1, in_flight: int = 1, prewarm: int = 0,
+                  axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -198,7 +199,13 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   with one_sender only device 0 stores (into device 1), the others spin for
   IDLE_US; with storing_blocks only the first that many blocks store (the
   others exit at once); with spread the s-th store goes to row block
-  s x blocks / stores (one block's stores then span the whole buffer)."""
+  s x blocks / stores (one block's stores then span the whole buffer); with
+  landed and in_flight > 1 a store awaits the landing of the store
+  in_flight - 1 before it, so that each block keeps that many in flight;
+  with prewarm the first that many blocks first store the tile once into
+  every block's rows (column tile 0), PREWARM_IN_FLIGHT in flight each, and
+  await their landing (scope `prewarm`), while every block waits for them
+  (scope `prewarm_wait`) before its own stores."""
   def body(out_ref, *refs):
     *other, tile = refs
     block = lax.axis_index("sm")
@@ -233,6 +240,23 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
         pl.when(block == 0)(peers_in.porter)
         with jax.named_scope("meet"):
           peers_in.wait()
+      if prewarm:
+        warmed = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        share = -(-blocks // prewarm)
+
+        @pl.when(block < prewarm)
+        def _():
+          with jax.named_scope("prewarm"):
+            @pl.loop(0, share)
+            def _(j):
+              row_tile = jnp.minimum(block * share + j, blocks - 1)
+              plgpu.copy_smem_to_gmem(tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(0, COLS)])
+              plgpu.wait_smem_to_gmem(PREWARM_IN_FLIGHT - 1, wait_read_only=False)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          pl.semaphore_signal(warmed, 1)
+
+        with jax.named_scope("prewarm_wait"):
+          pl.semaphore_wait(warmed, prewarm, decrement=False)
       if warm_other:
         with jax.named_scope("warm"):
           plgpu.copy_smem_to_gmem(tile, plgpu.remote_ref(other[0], peer))
@@ -258,7 +282,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           row_tile = jnp.where(i == 0, 0, row_tile)
         plgpu.copy_smem_to_gmem(
             tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=not landed)
+        plgpu.wait_smem_to_gmem(in_flight - 1 if landed else 0, wait_read_only=not landed)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store landed before exit
 
@@ -269,7 +293,16 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                       scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
 
 
-SUITES = ("causes", "order", "after_big", "ramp", "size")
+SUITES = ("causes", "order", "after_big", "ramp", "size", "in_flight", "prewarm", "idle",
+          "after_small")
+# suite "idle": how long the short kernel after a long one first idles (µs).
+IDLE_GAPS_US = (10, 40, 150, 500)
+# prewarm: the stores each warming block keeps in flight (8 blocks with 16
+# each never stalled: session 37), and the suite's warming blocks.
+PREWARM_IN_FLIGHT = 16
+PREWARMERS = (4, 8, 16)
+# suite "in_flight": (storing blocks, stores each keeps in flight).
+IN_FLIGHT = ((33, 1), (33, 2), (33, 4), (16, 4), (16, 8), (8, 16), (66, 1))
 STAGGERS_NS = (100, 500)  # suite "ramp": 13 and 66 µs from the first block's start to the last's
 
 
@@ -284,7 +317,21 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   blocks' starts staggered (STAGGERS_NS), and from device 0 alone
   (one_sender). Suite "size": each landed, from every block, from block 0
   alone (its rows, and spread across the buffer), from the first quarter of
-  the blocks. The kernels are built when the functions are first traced
+  the blocks. Suite "in_flight": each landed, from the first B blocks, each
+  keeping N stores in flight, (B, N) in IN_FLIGHT: whether the stall follows
+  the storing SMs or the bytes in flight (33 x 1 never stalled, 66 x 1 and
+  132 x 1 did; the all-gather matmul's forwarding tiles keep several stores
+  in flight each, and 16 of them stalled too: session 37). Suite "prewarm":
+  each landed, plainly and after the first W blocks (W in PREWARMERS), many
+  stores in flight each, stored into every block's rows once: if few SMs
+  can take the stall's cause away (pages, translations) before the burst,
+  the burst's stores then do not stall. Suite "idle": as "after_big", the
+  short kernel first idling IDLE_GAPS_US (scope `delay`): if NVLink drops
+  into a low-power state after some idle time and takes ~100 µs to come
+  back (session 37's reading: few SMs stall too once they move tens of MB),
+  the short kernel stalls from some gap on. Suite "after_small": the kernel
+  after one with 1/16, 1/4 or 1/2 of its stores, in one program: how much
+  traffic before it takes its stall away. The kernels are built when the functions are first traced
   (inside kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -300,20 +347,36 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
             f"{into}, each landed, the first {blocks // 4} blocks alone":
                 fn(remote=True, landed=True, storing_blocks=blocks // 4),
             **local}
+  if suite == "prewarm":
+    return {f"{into}, each landed": fn(remote=True, landed=True),
+            **{f"{into}, each landed, after {w} blocks stored into every block's rows":
+               fn(remote=True, landed=True, prewarm=w) for w in PREWARMERS}}
+  if suite == "in_flight":
+    return {f"{into}, each landed, the first {b} blocks alone, {n} in flight each":
+                fn(remote=True, landed=True, storing_blocks=b, in_flight=n)
+            for b, n in IN_FLIGHT}
   if suite == "ramp":
     return {f"{into}, each landed": fn(remote=True, landed=True),
             **{f"{into}, each landed, block b starting b x {ns} ns late":
                fn(remote=True, landed=True, stagger_ns=ns) for ns in STAGGERS_NS},
             f"{into}, each landed, device 0 alone": fn(remote=True, landed=True, one_sender=True),
             **local}
-  if suite == "after_big":
+  def after_big(delay_us: int = 0, first: int = 4 * stores):
     def pair():
-      big = stores_kernel(blocks, 4 * stores, remote=True, landed=True)()
-      return big[:, :stores * COLS], stores_kernel(blocks, stores, remote=True, landed=True)()
+      big = stores_kernel(blocks, first, remote=True, landed=True)()
+      small = stores_kernel(blocks, stores, remote=True, landed=True, delay_us=delay_us)()
+      return big, small
+    return spmd.per_shard(pair, mesh, (), (P(spmd.AXIS), P(spmd.AXIS))), ()
+  if suite == "after_big":
     return {f"{into}, each landed": fn(remote=True, landed=True),
-            f"{into}, each landed, after one with {4 * stores} stores": (
-                spmd.per_shard(pair, mesh, (), (P(spmd.AXIS), P(spmd.AXIS))), ()),
+            f"{into}, each landed, after one with {4 * stores} stores": after_big(),
             **local}
+  if suite == "idle":
+    return {f"{into}, each landed, after one with {4 * stores} stores and {us} µs idle":
+            after_big(us) for us in IDLE_GAPS_US}
+  if suite == "after_small":
+    return {f"{into}, each landed, after one with {n} stores": after_big(first=n)
+            for n in (stores // 16, stores // 4, stores // 2)}
   if suite == "order":
     return {f"{into}, each landed": fn(remote=True, landed=True),
             f"{into}, each landed, page-major": fn(remote=True, landed=True, page_major=True),

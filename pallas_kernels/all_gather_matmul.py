@@ -176,6 +176,14 @@ class AllGatherMatmulConfig:
       time and the decode kernel, which meets its peers this way, did not
       (session 30), it is the candidate fix. Experimental: lowering-tested,
       not yet run on GPUs.
+    forwarders: with "forward" or "ring", how many of a row chunk's tiles
+      forward it (each the K steps k = j mod forwarders); None: as many as
+      let a strip's forwarding tiles fit one wave, up to one per column
+      tile. Fewer forwarders put fewer SMs' stores on NVLink at once, so
+      that the start-of-call stall of the stores into a peer holds fewer
+      SMs' GEMM stages; it then holds the link instead (AG v24, session 37).
+      Experimental: passes the GPU tests at D = 4, slower than the default
+      at the model's qkv shape (benchmarks/NOTES.md).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -184,6 +192,7 @@ class AllGatherMatmulConfig:
   stream: bool = False
   whole_rows: bool = False
   entry: bool = False
+  forwarders: int | None = None
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -193,7 +202,8 @@ class AllGatherMatmulConfig:
   def from_dict(cls, d: dict) -> "AllGatherMatmulConfig":
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
-               whole_rows=d.get("whole_rows", False), entry=d.get("entry", False))
+               whole_rows=d.get("whole_rows", False), entry=d.get("entry", False),
+               forwarders=d.get("forwarders"))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -267,6 +277,10 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
     return (f"config.entry (the in-kernel handshake instead of XLA's barrier) has passed the GPU"
             f" tests at D = 4 and run in a 2 x 2 multi-process job at D = 2; at D = {axis_size}"
             " it is lowering-tested but not yet run on GPUs (benchmarks/NOTES.md, AG v22).")
+  if config.forwarders is not None:
+    return (f"config.forwarders={config.forwarders} is experimental: it passes the GPU tests at"
+            " D = 4 but was slower than the default at 2048x8192x2560 per shard (4x H200: 540-560"
+            " against 520 µs; benchmarks/NOTES.md, AG v24).")
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
@@ -285,6 +299,9 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return f"config.send must be one of {SENDS}, got {config.send!r}."
   if config.pushers is not None and config.pushers < 1:
     return f"config.pushers must be None or >= 1, got {config.pushers}."
+  if config.forwarders is not None and (config.forwarders < 1 or config.send == "push"):
+    return (f"config.forwarders must be None or >= 1, with send 'forward' or 'ring'; got"
+            f" forwarders={config.forwarders}, send={config.send!r}.")
   if config.whole_rows:
     rows = axis_size * m_shard
     if config.send != "push" or config.strip_chunks is not None or config.stream:
@@ -421,8 +438,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # Forward mode: chunk c is forwarded by the first F of its tiles in the tile
   # order, the j-th taking the K steps k = j mod F, so no tile stalls on all
   # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
-  # one wave.
-  forwarders = min(n_tiles, max(1, grid // strip))
+  # one wave, unless the config names it.
+  forwarders = min(n_tiles, config.forwarders or max(1, grid // strip))
   # stream: a forwarder announces step k at step k + _SETTLE_STEPS, after
   # waiting for all but its `newer` later forwards (steps k + F, k + 2F, ...)
   # to land.

@@ -181,7 +181,8 @@ def _check_gathered(gathered: jax.Array, x_host: np.ndarray, what: str = "gather
 
 # The send designs forced by the tests: each of kernel.SENDS, and the streamed
 # forwards ("+stream": per-group waits, experimental).
-SEND_DESIGNS = [*kernel.SENDS, "forward+stream", "ring+stream"]
+# "+fwdN": N forwarding tiles per row chunk (`forwarders`).
+SEND_DESIGNS = [*kernel.SENDS, "forward+stream", "ring+stream", "forward+fwd1", "ring+fwd2"]
 
 
 def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulConfig:
@@ -191,8 +192,10 @@ def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulC
                                  num_sms=platform.num_sms())
   if send is None:
     return config
-  send, _, stream = send.partition("+")
-  return dataclasses.replace(config, send=send, stream=stream == "stream")
+  send, _, option = send.partition("+")
+  forwarders = int(option.removeprefix("fwd")) if option.startswith("fwd") else None
+  return dataclasses.replace(config, send=send, stream=option == "stream",
+                             forwarders=forwarders)
 
 
 def _per_shard_fn(mesh, *, return_gathered=False, config=None):

@@ -423,6 +423,42 @@ def test_every_send_design_is_accepted(send):
   assert agm.unsupported_reason(1024, 4096, 4096, BF16, config) is None
 
 
+@pytest.mark.parametrize("forwarders,send,ok", [
+    (1, "ring", True), (4, "forward", True), (0, "ring", False), (2, "push", False)])
+def test_forwarders_need_a_forwarding_send(forwarders, send, ok):
+  config = agm.AllGatherMatmulConfig(send=send, forwarders=forwarders)
+  reason = agm.unsupported_reason(1024, 4096, 4096, BF16, config)
+  assert (reason is None) == ok
+  if not ok:
+    assert reason.startswith("config.forwarders must be None or >= 1, with send")
+
+
+@pytest.mark.parametrize("d,shape,forwarders", [
+    (4, (2048, 8192, 2560), 1), (4, (2048, 8192, 2560), 2), (2, (1024, 4096, 4096), 3)],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_capped_forwarders_lower_for_cuda(d, shape, forwarders):
+  """With fewer forwarding tiles per row chunk than the default (each then
+  forwards more of the chunk's K steps; 3 does not divide the 64 K steps),
+  the exchange still lowers; the config is experimental and survives JSON."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  config = dataclasses.replace(agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132),
+                               forwarders=forwarders)
+  assert config.send == ("ring" if d > 2 else "forward")
+  assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
+  assert "forwarders" in agm.experimental_reason(config, axis_size=d)
+  assert agm.AllGatherMatmulConfig.from_dict(config.to_dict()) == config
+  body = lambda x, w: agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132,
+                                            return_gathered=False)[0]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
+                            out_specs=jax.P(None, "x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+  assert "wait_chunk" in module and "red.release.sys" in module
+
+
 @pytest.mark.parametrize("k,cols", [(8192, 256), (3072, 256), (4224, 128), (192, 64), (64, 64)])
 def test_push_piece_is_the_widest_tma_box_dividing_k(k, cols):
   assert agm.AllGatherMatmulConfig().push_cols(k) == cols

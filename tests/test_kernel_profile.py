@@ -146,3 +146,42 @@ def test_peer_store_probe_size_suite_lowers_for_cuda():
   assert len(remote) == 4 and len(set(remote)) == 4
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   assert "mosaic_gpu.device_id_load" not in local
+
+
+def test_peer_store_probe_in_flight_suite_lowers_for_cuda():
+  """Suite "in_flight": one kernel per (storing blocks, stores in flight),
+  each different, all storing into the next device."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+             for fn, args in peer_store_probe.kernels(mesh, 64, 32, suite="in_flight").values()]
+  assert len(modules) == len(set(modules)) == len(peer_store_probe.IN_FLIGHT)
+  assert all("mosaic_gpu.device_id_load" in m for m in modules)
+
+
+def test_peer_store_probe_prewarm_suite_lowers_for_cuda():
+  """Suite "prewarm": the plain kernel, then one per number of warming
+  blocks, each waiting on a semaphore before its stores."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  plain, *warmed = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                    for fn, args in peer_store_probe.kernels(mesh, 32, 8, suite="prewarm").values()]
+  assert len(warmed) == len(set(warmed)) == len(peer_store_probe.PREWARMERS)
+  assert all("prewarm_wait" in m for m in warmed) and "prewarm_wait" not in plain
+
+
+def test_peer_store_probe_idle_suite_lowers_for_cuda():
+  """Suite "idle": one program per gap, a long kernel then a short one that
+  spins for the gap (on %globaltimer) before its stores."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+             for fn, args in peer_store_probe.kernels(mesh, 8, 4, suite="idle").values()]
+  assert len(modules) == len(set(modules)) == len(peer_store_probe.IDLE_GAPS_US)
+  for us, module in zip(peer_store_probe.IDLE_GAPS_US, modules):
+    assert f"add.u64 wait, wait, {us * 1000}" in module
+
+
+def test_peer_store_probe_after_small_suite_lowers_for_cuda():
+  """Suite "after_small": one program per size of the kernel run first."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+             for fn, args in peer_store_probe.kernels(mesh, 8, 16, suite="after_small").values()]
+  assert len(modules) == len(set(modules)) == 3
