@@ -10,13 +10,12 @@ Cases:
             ring: it stands for the ring baseline too); pallas_forward,
             pallas_ring, pallas_push, pallas_forward_stream and
             pallas_ring_stream: the kernel with each send design forced
-            (default tiles; `_stream`: per-group waits, AllGatherMatmulConfig
-            .stream), to keep the designs' numbers side by side;
-            pallas_fwd<F> (opt-in, F in FORWARDER_CAPS): the default config
-            with F forwarding tiles per row chunk (`forwarders`; "forward"
-            and "ring" sends): fewer SMs storing into peers at once (the
-            peer-store probe's 33 storing blocks never stalled, 66 and 132
-            did: benchmarks/NOTES.md, session 37).
+            (on `fused_config`'s tiles; `_stream`: per-group waits,
+            AllGatherMatmulConfig.stream), to keep the designs' numbers side
+            by side; pallas_fwd<F> (opt-in, F in FORWARDER_CAPS):
+            `fused_config` with F forwarding tiles per row chunk
+            (`forwarders`; "forward" and "ring" sends), fewer SMs storing
+            into peers at once (AG v24 in benchmarks/NOTES.md: slower).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -100,7 +99,7 @@ def _pallas_forwarders(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.O
   cases.require_hopper("our kernel")
   config = fused_config(shape, mesh)
   if config.send == "push":
-    raise runner.Skip(f"the default config pushes ({config}); forwarders apply to 'forward' and"
+    raise runner.Skip(f"the config pushes ({config}); forwarders apply to 'forward' and"
                       " 'ring'.")
   return _pallas_config(mesh, inputs, dataclasses.replace(config, forwarders=forwarders))
 
