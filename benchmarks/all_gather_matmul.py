@@ -15,7 +15,8 @@ Cases:
             by side; pallas_fwd<F> (opt-in, F in FORWARDER_CAPS):
             `fused_config` with F forwarding tiles per row chunk
             (`forwarders`; "forward" and "ring" sends), fewer SMs storing
-            into peers at once (AG v24 in benchmarks/NOTES.md: slower).
+            into peers at once (AG v24 in benchmarks/NOTES.md: slower);
+            pallas_primed (opt-in): `fused_config` with `primed` (AG v25).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -94,14 +95,15 @@ def _pallas_send(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operand
   return _pallas_config(mesh, inputs, config)
 
 
-def _pallas_forwarders(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
-                       forwarders: int) -> runner.Built:
+def _pallas_forwarding(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
+                       **changes) -> runner.Built:
+  """`fused_config` with `changes` that apply to the forwarding sends only."""
   cases.require_hopper("our kernel")
   config = fused_config(shape, mesh)
   if config.send == "push":
-    raise runner.Skip(f"the config pushes ({config}); forwarders apply to 'forward' and"
-                      " 'ring'.")
-  return _pallas_config(mesh, inputs, dataclasses.replace(config, forwarders=forwarders))
+    raise runner.Skip(f"the config pushes ({config}); {', '.join(changes)} apply to 'forward'"
+                      " and 'ring'.")
+  return _pallas_config(mesh, inputs, dataclasses.replace(config, **changes))
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
@@ -158,7 +160,10 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
                     functools.partial(_pallas_send, shape, mesh, inputs, send, stream))
         for send, stream in SEND_DESIGNS),
       *(runner.Case(f"pallas_fwd{f}", "ours", functools.partial(
-          _pallas_forwarders, shape, mesh, inputs, f), opt_in=True) for f in FORWARDER_CAPS),
+          _pallas_forwarding, shape, mesh, inputs, forwarders=f), opt_in=True)
+        for f in FORWARDER_CAPS),
+      runner.Case("pallas_primed", "ours", functools.partial(
+          _pallas_forwarding, shape, mesh, inputs, primed=True), opt_in=True),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -188,7 +193,8 @@ OP = runner.OpSpec(
     # Ours (as `auto` runs it, and each send design), the baselines that come
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
-                "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "user_bsp",
+                "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "pallas_primed",
+                "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )
 

@@ -209,11 +209,12 @@ def _kernels(op: str, dims: tuple[int, ...]):
     core = ag_bench.pallas_core(shape, mesh, inputs)
     args = (inputs.x, inputs.w)
     config = ag_bench.fused_config(shape, mesh)
-    capped = {} if config.send == "push" else {
-        f"fused, forwarders={f}": (ag_bench.ours_fn(
-            mesh, "pallas", dataclasses.replace(config, forwarders=f)), args)
-        for f in ag_bench.FORWARDER_CAPS}
-    return {"fused": (ag_bench.ours_fn(mesh, "pallas"), args), **capped,
+    variants = {} if config.send == "push" else {
+        **{f"fused, forwarders={f}": dict(forwarders=f) for f in ag_bench.FORWARDER_CAPS},
+        "fused, primed": dict(primed=True)}
+    variants = {label: (ag_bench.ours_fn(mesh, "pallas", dataclasses.replace(config, **changes)),
+                        args) for label, changes in variants.items()}
+    return {"fused": (ag_bench.ours_fn(mesh, "pallas"), args), **variants,
             "core (x pre-gathered)": (core.fn, core.args)}
   if op == "matmul_reduce_scatter":
     shape = shapes.MatmulReduceScatterShape(*dims)

@@ -178,7 +178,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   page_major: bool = False, one_sender: bool = False,
                   storing_blocks: int | None = None, spread: bool = False,
                   passes: int = 1, in_flight: int = 1, prewarm: int = 0,
-                  axis_name: str = spmd.AXIS):
+                  loads_after: int = 0, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -205,8 +205,14 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   with prewarm the first that many blocks first store the tile once into
   every block's rows (column tile 0), PREWARM_IN_FLIGHT in flight each, and
   await their landing (scope `prewarm`), while every block waits for them
-  (scope `prewarm_wait`) before its own stores."""
+  (scope `prewarm_wait`) before its own stores; with loads_after the stores
+  are issued without awaiting any (scope `store` is the issue), then every
+  block TMA-loads that many [64, 64] tiles of its own rows of this device's
+  buffer, each awaited (scope `load`): whether a block's stalled stores into a
+  peer hold up its loads (a GEMM's memory warpgroup issuing them)."""
   def body(out_ref, *refs):
+    if loads_after:
+      *refs, loaded_tile, load_barrier = refs
     *other, tile = refs
     block = lax.axis_index("sm")
     dst = out_ref
@@ -282,19 +288,32 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           row_tile = jnp.where(i == 0, 0, row_tile)
         plgpu.copy_smem_to_gmem(
             tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS)])
-        plgpu.wait_smem_to_gmem(in_flight - 1 if landed else 0, wait_read_only=not landed)
+        if not loads_after:
+          plgpu.wait_smem_to_gmem(in_flight - 1 if landed else 0, wait_read_only=not landed)
+
+    if loads_after:
+      @pl.loop(0, loads_after)
+      def _(j):
+        with jax.named_scope("load"):
+          src = out_ref.at[pl.ds(block * ROWS, ROWS), pl.ds(lax.rem(j, stores) * COLS, COLS)]
+          plgpu.copy_gmem_to_smem(src, loaded_tile, load_barrier)
+          plgpu.barrier_wait(load_barrier)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every store landed before exit
 
+  loading = ([plgpu.SMEM((ROWS, COLS), DTYPE), plgpu.Barrier(num_arrivals=1)]
+             if loads_after else [])
   out_type = jax.ShapeDtypeStruct((blocks * ROWS, stores * COLS), DTYPE)
   if warm_other:
     out_type = (out_type, jax.ShapeDtypeStruct((ROWS, COLS), DTYPE))
   return plgpu.kernel(body, out_type=out_type, grid=(blocks,), grid_names=("sm",),
-                      scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE)])
+                      scratch_types=[plgpu.SMEM((ROWS, COLS), DTYPE), *loading])
 
 
 SUITES = ("causes", "order", "after_big", "ramp", "size", "in_flight", "prewarm", "idle",
-          "after_small")
+          "after_small", "loads")
+# suite "loads": the TMA loads every block awaits after its stores are issued.
+LOADS_AFTER = 32
 # suite "idle": how long the short kernel after a long one first idles (µs).
 IDLE_GAPS_US = (10, 40, 150, 500)
 # prewarm: the stores each warming block keeps in flight (8 blocks with 16
@@ -331,7 +350,11 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   back (session 37's reading: few SMs stall too once they move tens of MB),
   the short kernel stalls from some gap on. Suite "after_small": the kernel
   after one with 1/16, 1/4 or 1/2 of its stores, in one program: how much
-  traffic before it takes its stall away. The kernels are built when the functions are first traced
+  traffic before it takes its stall away. Suite "loads": every block (or the
+  first 4) issues its stores without awaiting them, then every block awaits
+  LOADS_AFTER local TMA loads: if a block's loads wait behind its stalled
+  stores, a GEMM cannot leave a few peer stores in flight and go on. The
+  kernels are built when the functions are first traced
   (inside kernel_profile's `profiling`)."""
   def fn(**kw):
     body = lambda: stores_kernel(blocks, stores, **kw)()
@@ -374,6 +397,13 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   if suite == "idle":
     return {f"{into}, each landed, after one with {4 * stores} stores and {us} µs idle":
             after_big(us) for us in IDLE_GAPS_US}
+  if suite == "loads":
+    return {f"{into}, none awaited, then {LOADS_AFTER} local loads each":
+                fn(remote=True, loads_after=LOADS_AFTER),
+            f"{into}, the first 4 blocks alone, none awaited, then {LOADS_AFTER} local loads each":
+                fn(remote=True, loads_after=LOADS_AFTER, storing_blocks=4),
+            f"{LOADS_AFTER} local loads each after stores into this device":
+                fn(remote=False, loads_after=LOADS_AFTER)}
   if suite == "after_small":
     return {f"{into}, each landed, after one with {n} stores": after_big(first=n)
             for n in (stores // 16, stores // 4, stores // 2)}

@@ -115,6 +115,18 @@ _FIRST_GROUP_PIECES = 2
 # stalls the forwarding warpgroup).
 _FIRST_GROUP_STEPS = 8
 _SETTLE_STEPS = 4
+# primed: the zero-tile reduce-adds each priming block issues (a block issues
+# ~12 stores of 8 KB into a stalled peer before the next issue waits: the
+# peer-store probe's suite "loads", session 37), the rows each covers, and
+# how many waves into each strip the forwarding tiles start (the stall ends
+# ~100 µs after the first stores; a gate-up tile takes 68-89 µs).
+PRIMER_STORES = 12
+_PRIMER_ROWS = 64
+# The zero tile's rows: 1 KB at tile_k 64, which fits beside the largest GEMM
+# ring and epilogue (128 x 256 CTA tiles, 4 stages: 224 KiB of the 227), where
+# an 8 KB tile does not.
+_ZERO_TILE_ROWS = 8
+DEFER_WAVES = 2
 # whole_rows: the most gathered rows a tile spans, and the fewest columns per
 # device for which `default_config` takes it: 64 column tiles of 128 at
 # least, since one SM streams ~35 GB/s at most and ~100 of them reach the
@@ -184,6 +196,16 @@ class AllGatherMatmulConfig:
       SMs' GEMM stages; it then holds the link instead (AG v24, session 37).
       Experimental: passes the GPU tests at D = 4, slower than the default
       at the model's qkv shape (benchmarks/NOTES.md).
+    primed: with "forward" or "ring" over peers, take the start-of-call
+      stall of the stores into peers off the GEMM: at the start the memory
+      warpgroups of a few blocks reduce-add a zero tile into the first rows
+      of each 64-row region that this device will forward into (PRIMER_STORES each, never
+      awaited, so no warpgroup waits on them: adding zero leaves any value,
+      landed before or after, as it is), and the forwarding tiles are those
+      of visits DEFER_WAVES waves into each strip rather than its first, so
+      that their stores come after the stall. For shapes whose GEMM step is
+      long against its NVLink time (the model's gate-up); at link-bound
+      shapes the deferred forwards delay the peers. Experimental (AG v25).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -193,6 +215,7 @@ class AllGatherMatmulConfig:
   whole_rows: bool = False
   entry: bool = False
   forwarders: int | None = None
+  primed: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -203,7 +226,7 @@ class AllGatherMatmulConfig:
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
                whole_rows=d.get("whole_rows", False), entry=d.get("entry", False),
-               forwarders=d.get("forwarders"))
+               forwarders=d.get("forwarders"), primed=d.get("primed", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -277,6 +300,9 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
     return (f"config.entry (the in-kernel handshake instead of XLA's barrier) has passed the GPU"
             f" tests at D = 4 and run in a 2 x 2 multi-process job at D = 2; at D = {axis_size}"
             " it is lowering-tested but not yet run on GPUs (benchmarks/NOTES.md, AG v22).")
+  if config.primed:
+    return ("config.primed is experimental: lowering-tested, not yet measured on GPUs"
+            " (benchmarks/NOTES.md, AG v25).")
   if config.forwarders is not None:
     return (f"config.forwarders={config.forwarders} is experimental: it passes the GPU tests at"
             " D = 4 but was slower than the default at 2048x8192x2560 per shard (4x H200: 540-560"
@@ -302,6 +328,10 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
   if config.forwarders is not None and (config.forwarders < 1 or config.send == "push"):
     return (f"config.forwarders must be None or >= 1, with send 'forward' or 'ring'; got"
             f" forwarders={config.forwarders}, send={config.send!r}.")
+  if config.primed and (config.send == "push" or config.stream or m_shard % _PRIMER_ROWS):
+    return (f"config.primed needs send 'forward' or 'ring', no stream, and rows per device a"
+            f" multiple of {_PRIMER_ROWS}; got send={config.send!r}, stream={config.stream},"
+            f" {m_shard} rows.")
   if config.whole_rows:
     rows = axis_size * m_shard
     if config.send != "push" or config.strip_chunks is not None or config.stream:
@@ -440,6 +470,14 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   # of a chunk's stores; F is capped so that a strip's forwarding tiles fit in
   # one wave, unless the config names it.
   forwarders = min(n_tiles, config.forwarders or max(1, grid // strip))
+  # primed: the forwarding tiles are visits first_visit .. first_visit + F - 1
+  # of each strip, DEFER_WAVES waves in (as late as the strip allows).
+  primed = forward_mode and remote and config.primed
+  first_visit = (min(n_tiles - forwarders, -(-DEFER_WAVES * grid // strip)) if primed else 0)
+  # primed: 64-row regions per forwarded (receiver, source) pair, D - 1 pairs,
+  # and the blocks whose memory warpgroups prime them.
+  regions = m_shard // _PRIMER_ROWS
+  primers = min(grid, -(-(d - 1) * regions // PRIMER_STORES))
   # stream: a forwarder announces step k at step k + _SETTLE_STEPS, after
   # waiting for all but its `newer` later forwards (steps k + F, k + 2F, ...)
   # to land.
@@ -507,7 +545,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       w_cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
       b_cols = w_ref.at[w_cols] if w_transposed else w_ref.at[:, w_cols]
       out_tile = out_ref.at[pl.ds(row0, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n)]
-      forwards = (wg == 0) & (visit < forwarders)
+      forwards = (wg == 0) & (visit >= first_visit) & (visit < first_visit + forwarders)
       if ring:  # every step's rows are passed on, but the last step's (me - 1 has them)
         forwards &= step < d - 1
       dst_rows = pl.ds(row0, tiles.cta_m)
@@ -529,7 +567,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           plgpu.copy_smem_to_gmem(a_smem, dst.at[dst_rows, cols], commit_group=i == len(dsts) - 1)
 
       def forwarded(k_idx):
-        return forwards & (k_idx >= 0) & (lax.rem(k_idx, forwarders) == visit)
+        return forwards & (k_idx >= 0) & (lax.rem(k_idx, forwarders) == visit - first_visit)
 
       def signal_group(k_idx):
         """stream: forwarded step k_idx has landed at the receivers."""
@@ -658,9 +696,42 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
                     plgpu.Barrier(num_arrivals=1, num_barriers=2),
                     collective_axes=gemm_core.WG_AXIS)
 
+    def prime(zero_tile):
+      """The memory warpgroup of the r-th block from the grid's end: stores
+      r * PRIMER_STORES, ... of the zero-tile reduce-adds into the first
+      rows of each 64-row region this device forwards into (pairs of
+      receiver and source, each source's regions in order), none awaited
+      here (the kernel's final wait does)."""
+      rank = grid - 1 - lax.axis_index("sm")
+      zero_tile[...] = jnp.zeros(zero_tile.shape, zero_tile.dtype)
+      plgpu.commit_smem()
+      first = rank * PRIMER_STORES
+      # (receiver, source) pairs: "ring" forwards every source but me - 1's
+      # rows to me - 1; "forward" its own rows to every peer.
+      pairs = ([(receivers[0], lax.rem(me + s, d)) for s in range(d - 1)] if ring
+               else [(peer, me) for peer in receivers])
+      for p, (dev, src) in enumerate(pairs):
+        start = jnp.clip(first - p * regions, 0, regions)
+        stop = jnp.clip(first + PRIMER_STORES - p * regions, 0, regions)
+
+        @pl.loop(start, stop)
+        def _(region):
+          rows = pl.ds(src * m_shard + region * _PRIMER_ROWS, _ZERO_TILE_ROWS)
+          plgpu.copy_smem_to_gmem(
+              zero_tile, plgpu.remote_ref(gathered_ref, dev).at[rows, pl.ds(0, tiles.tile_k)],
+              reduction_op="add")
+
+    primer = dict(primer=plgpu.SMEM((_ZERO_TILE_ROWS, tiles.tile_k), x.dtype)) if primed else {}
+
     @functools.partial(pl.run_scoped, collective_axes=gemm_core.WG_AXIS,
-                       **core.scratch(x_ref, w_ref))
+                       **core.scratch(x_ref, w_ref), **primer)
     def _(**scratch):
+      if primed:
+        zero_tile = scratch.pop("primer")
+        rank = grid - 1 - lax.axis_index("sm")
+        pl.when((wg == gemm_core.NUM_WARPGROUPS - 1) & (rank < primers))(
+            lambda: jax.named_scope("prime")(prime)(zero_tile))
+
       @plgpu.nd_loop((steps * tiles_per_step,), collective_axes="sm")
       def _(info):
         tile(scratch, info)

@@ -181,8 +181,9 @@ def _check_gathered(gathered: jax.Array, x_host: np.ndarray, what: str = "gather
 
 # The send designs forced by the tests: each of kernel.SENDS, and the streamed
 # forwards ("+stream": per-group waits, experimental).
-# "+fwdN": N forwarding tiles per row chunk (`forwarders`).
-SEND_DESIGNS = [*kernel.SENDS, "forward+stream", "ring+stream", "forward+fwd1", "ring+fwd2"]
+# "+fwdN": N forwarding tiles per row chunk (`forwarders`); "+primed": `primed`.
+SEND_DESIGNS = [*kernel.SENDS, "forward+stream", "ring+stream", "forward+fwd1", "ring+fwd2",
+                "forward+primed", "ring+primed"]
 
 
 def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulConfig:
@@ -195,7 +196,7 @@ def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulC
   send, _, option = send.partition("+")
   forwarders = int(option.removeprefix("fwd")) if option.startswith("fwd") else None
   return dataclasses.replace(config, send=send, stream=option == "stream",
-                             forwarders=forwarders)
+                             forwarders=forwarders, primed=option == "primed")
 
 
 def _per_shard_fn(mesh, *, return_gathered=False, config=None):

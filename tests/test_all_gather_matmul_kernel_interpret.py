@@ -459,6 +459,43 @@ def test_capped_forwarders_lower_for_cuda(d, shape, forwarders):
   assert "wait_chunk" in module and "red.release.sys" in module
 
 
+@pytest.mark.parametrize("d,shape", [(4, (2048, 8192, 14336)), (2, (1024, 4096, 4096)),
+                                     (3, (256, 2048, 2048)), (8, (1024, 8192, 1024))],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_primed_lowers_for_cuda(d, shape):
+  """`primed`: the memory warpgroups of the last blocks reduce-add a zero
+  tile into every region this device forwards into, and the forwarding
+  tiles are deferred; it lowers with "ring" (D >= 3) and "forward" (D = 2),
+  and is experimental."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  config = dataclasses.replace(agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132),
+                               send="ring" if d > 2 else "forward", primed=True)
+  assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
+  assert "primed" in agm.experimental_reason(config, axis_size=d)
+  assert agm.AllGatherMatmulConfig.from_dict(config.to_dict()) == config
+  body = lambda x, w: agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132,
+                                            return_gathered=True)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
+                            out_specs=(jax.P(None, "x"), jax.P(None, "x"))))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  module = jax.export.export(f, platforms=["cuda"])(
+      sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+  assert "prime" in module and "wait_chunk" in module
+
+
+@pytest.mark.parametrize("send,m,ok", [("ring", 2048, True), ("push", 2048, False),
+                                      ("ring", 96, False)])
+def test_primed_needs_forwarding_and_64_row_regions(send, m, ok):
+  config = agm.AllGatherMatmulConfig(gemm_core.GemmTiles(tile_m=64, tile_n=64), send=send,
+                                     primed=True)
+  reason = agm.unsupported_reason(m, 4096, 4096, BF16, config, axis_size=4)
+  assert (reason is None) == ok, reason
+  if not ok:
+    assert reason.startswith("config.primed needs send 'forward' or 'ring'")
+
+
 @pytest.mark.parametrize("k,cols", [(8192, 256), (3072, 256), (4224, 128), (192, 64), (64, 64)])
 def test_push_piece_is_the_widest_tma_box_dividing_k(k, cols):
   assert agm.AllGatherMatmulConfig().push_cols(k) == cols

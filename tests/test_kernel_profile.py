@@ -185,3 +185,14 @@ def test_peer_store_probe_after_small_suite_lowers_for_cuda():
   modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
              for fn, args in peer_store_probe.kernels(mesh, 8, 16, suite="after_small").values()]
   assert len(modules) == len(set(modules)) == 3
+
+
+def test_peer_store_probe_loads_suite_lowers_for_cuda():
+  """Suite "loads": stores issued and not awaited, then awaited local loads
+  (scope `load`) in every block; the last kernel stores locally."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  *remote, local = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                    for fn, args in peer_store_probe.kernels(mesh, 8, 4, suite="loads").values()]
+  assert len(remote) == len(set(remote)) == 2
+  assert all("mosaic_gpu.device_id_load" in m for m in remote)
+  assert "mosaic_gpu.device_id_load" not in local
