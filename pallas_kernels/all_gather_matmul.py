@@ -55,8 +55,8 @@ same call.
 
 Named scopes mark the phases for Mosaic GPU's in-kernel profiler
 (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`): local_tile,
-forward, signal, wait_chunk, remote_tile, push, and in the memory
-warpgroup wait_group and pace (tile without the exchange).
+forward, signal, wait_chunk, remote_tile, push, final_wait, and in the
+memory warpgroup wait_group, pace and prime (tile without the exchange).
 
 Exchange seam: with `Pregathered`, the kernel takes the gathered x as an
 input, reads every tile's rows from it, and does no remote copies, signals or
@@ -205,7 +205,9 @@ class AllGatherMatmulConfig:
       of visits DEFER_WAVES waves into each strip rather than its first, so
       that their stores come after the stall. For shapes whose GEMM step is
       long against its NVLink time (the model's gate-up); at link-bound
-      shapes the deferred forwards delay the peers. Experimental (AG v25).
+      shapes the deferred forwards delay the peers. Experimental (AG v25):
+      in-kernel the GEMM no longer stalls (gate-up at 1.01x its core's
+      cycles, from 1.06x), but CUPTI times it level with the default.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -301,8 +303,9 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
             f" tests at D = 4 and run in a 2 x 2 multi-process job at D = 2; at D = {axis_size}"
             " it is lowering-tested but not yet run on GPUs (benchmarks/NOTES.md, AG v22).")
   if config.primed:
-    return ("config.primed is experimental: lowering-tested, not yet measured on GPUs"
-            " (benchmarks/NOTES.md, AG v25).")
+    return ("config.primed is experimental: it passes the GPU tests at D = 4 and takes the"
+            " stall off the GEMM in-kernel, but was no faster by CUPTI at 2048x8192x14336 per"
+            " shard (4x H200; benchmarks/NOTES.md, AG v25).")
   if config.forwarders is not None:
     return (f"config.forwarders={config.forwarders} is experimental: it passes the GPU tests at"
             " D = 4 but was slower than the default at 2048x8192x2560 per shard (4x H200: 540-560"
@@ -735,7 +738,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       @plgpu.nd_loop((steps * tiles_per_step,), collective_axes="sm")
       def _(info):
         tile(scratch, info)
-    gemm_core.final_wait()
+    with jax.named_scope("final_wait"):
+      gemm_core.final_wait()
 
   out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)
   if exchange:
