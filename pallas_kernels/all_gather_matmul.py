@@ -199,11 +199,12 @@ class AllGatherMatmulConfig:
     primed: with "forward" or "ring" over peers, take the start-of-call
       stall of the stores into peers off the GEMM: at the start the memory
       warpgroups of a few blocks reduce-add a zero tile into the first rows
-      of each 64-row region that this device will forward into (PRIMER_STORES each, never
-      awaited, so no warpgroup waits on them: adding zero leaves any value,
-      landed before or after, as it is), and the forwarding tiles are those
-      of visits DEFER_WAVES waves into each strip rather than its first, so
-      that their stores come after the stall. For shapes whose GEMM step is
+      of each 64-row region that this device will forward into
+      (PRIMER_STORES each, never awaited, so no warpgroup waits on them:
+      adding zero leaves any value, landed before or after, as it is), and
+      the forwarding tiles are those of visits DEFER_WAVES waves into each
+      strip rather than its first, so that their stores come after the
+      stall. For shapes whose GEMM step is
       long against its NVLink time (the model's gate-up); at link-bound
       shapes the deferred forwards delay the peers. Experimental (AG v25):
       in-kernel the GEMM no longer stalls (gate-up at 1.01x its core's
@@ -699,13 +700,12 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
                     plgpu.Barrier(num_arrivals=1, num_barriers=2),
                     collective_axes=gemm_core.WG_AXIS)
 
-    def prime(zero_tile):
-      """The memory warpgroup of the r-th block from the grid's end: stores
-      r * PRIMER_STORES, ... of the zero-tile reduce-adds into the first
-      rows of each 64-row region this device forwards into (pairs of
+    def prime(zero_tile, rank):
+      """The memory warpgroup of the rank-th block from the grid's end:
+      stores rank * PRIMER_STORES, ... of the zero-tile reduce-adds into the
+      first rows of each 64-row region this device forwards into (pairs of
       receiver and source, each source's regions in order), none awaited
       here (the kernel's final wait does)."""
-      rank = grid - 1 - lax.axis_index("sm")
       zero_tile[...] = jnp.zeros(zero_tile.shape, zero_tile.dtype)
       plgpu.commit_smem()
       first = rank * PRIMER_STORES
@@ -733,7 +733,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         zero_tile = scratch.pop("primer")
         rank = grid - 1 - lax.axis_index("sm")
         pl.when((wg == gemm_core.NUM_WARPGROUPS - 1) & (rank < primers))(
-            lambda: jax.named_scope("prime")(prime)(zero_tile))
+            lambda: jax.named_scope("prime")(prime)(zero_tile, rank))
 
       @plgpu.nd_loop((steps * tiles_per_step,), collective_axes="sm")
       def _(info):
