@@ -58,6 +58,7 @@ from benchmarks import matmul_reduce_scatter as rs_bench
 from benchmarks import peer_store_probe
 from benchmarks import shapes
 from benchmarks import spmd
+from benchmarks import timeline
 from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 
@@ -82,6 +83,13 @@ _KERNELS_ONLY = flags.DEFINE_multi_string(
 _CALLS = flags.DEFINE_integer("calls", 8, "Calls back to back after the warm-up.")
 _KEEP = flags.DEFINE_integer("keep", 3, "Traces kept and summarized per kernel (the last ones).")
 _TRACE_DIR = flags.DEFINE_string("trace_dir", "/tmp/kernel_profile", "Where traces go.")
+_PER_GPU_CALLS = flags.DEFINE_integer(
+    "per_gpu_calls", 0, "Instead of the in-kernel profile: trace this many calls with"
+    " jax.profiler and print, per call and GPU, when each of our kernels and XLA's barriers"
+    " starts (µs after the call's first one on any GPU) and how long it runs: whether one"
+    " device's kernel is longer or starts later than the others'.")
+# --per_gpu_calls: the kernels listed (lower-case name fragments).
+PER_GPU_KERNELS = ("mosaic_gpu", "multigpubarrier")
 _TIMELINES = flags.DEFINE_integer(
     "timelines", 0, "Also print the scopes of this many blocks per trace, in order (half"
     " from the first blocks, half from the last).")
@@ -249,6 +257,29 @@ def _kernels(op: str, dims: tuple[int, ...]):
                                                  P(spmd.AXIS)), args)}
 
 
+def per_gpu_lines(launches: dict[int, list[timeline.Launch]], calls: int) -> list[str]:
+  """Per call, one line per GPU: each launch of PER_GPU_KERNELS as "name
+  +start duration" (µs; start after the call's first such launch on any
+  GPU). Every GPU must hold the same number of such launches per call."""
+  listed = {gpu: [e for e in events if any(k in e.name.lower() for k in PER_GPU_KERNELS)]
+            for gpu, events in sorted(launches.items())}
+  lines = []
+  for c in range(calls):
+    per_call = {}
+    for gpu, events in listed.items():
+      if len(events) % calls:
+        raise ValueError(f"GPU {gpu}: {len(events)} launches in {calls} calls.")
+      n = len(events) // calls
+      per_call[gpu] = events[c * n:(c + 1) * n]
+    origin = min(e.start_ns for events in per_call.values() for e in events)
+    lines.append(f"  call {c}:")
+    for gpu, events in per_call.items():
+      lines.append(f"    GPU {gpu}: " + ", ".join(
+          f"{e.name[:40]} +{(e.start_ns - origin) / 1e3:.1f} {e.duration_ns / 1e3:.1f}"
+          for e in events))
+  return lines
+
+
 def in_program(fn, calls: int):
   """One jitted program running `fn` `calls` times, the i-th call on its
   first input plus i (so that no call is a copy of another); `fn` as is for
@@ -271,6 +302,14 @@ def main(argv):
     if _KERNELS_ONLY.value and label not in _KERNELS_ONLY.value:
       continue
     fn = in_program(fn, _IN_PROGRAM.value)
+    if _PER_GPU_CALLS.value:
+      jax.block_until_ready(fn(*args))  # warm-up
+      calls = _PER_GPU_CALLS.value
+      launches = timeline.device_launches(
+          timeline.trace(lambda fn=fn, args=args: jax.block_until_ready(fn(*args)), calls))
+      print(f"== {_OP.value} {dims} {label}: per GPU, µs (+start duration)")
+      print("\n".join(per_gpu_lines(launches, calls)))
+      continue
     trace_dir = root / f"{_OP.value}_{'x'.join(map(str, dims))}_{index}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     for old in trace_dir.glob("trace*.json"):

@@ -196,3 +196,26 @@ def test_peer_store_probe_loads_suite_lowers_for_cuda():
   assert len(remote) == len(set(remote)) == 2
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   assert "mosaic_gpu.device_id_load" not in local
+
+
+def test_per_gpu_lines_put_each_call_on_its_own_origin():
+  """--per_gpu_calls: per call, each GPU's barrier and kernel, starts from the
+  call's first listed launch on any GPU; other kernels are left out."""
+  launch = kernel_profile.timeline.Launch
+  launches = {
+      1: [launch("MultiGpuBarrierWithNccl", 1000, 5000), launch("loop_fusion", 6000, 100),
+          launch("ag_mosaic_gpu_kernel", 7000, 20000),
+          launch("MultiGpuBarrierWithNccl", 50000, 1000), launch("ag_mosaic_gpu_kernel", 52000, 21000)],
+      0: [launch("MultiGpuBarrierWithNccl", 0, 8000), launch("ag_mosaic_gpu_kernel", 9000, 18000),
+          launch("MultiGpuBarrierWithNccl", 48000, 4000), launch("ag_mosaic_gpu_kernel", 53000, 20000)],
+  }
+  assert kernel_profile.per_gpu_lines(launches, 2) == [
+      "  call 0:",
+      "    GPU 0: MultiGpuBarrierWithNccl +0.0 8.0, ag_mosaic_gpu_kernel +9.0 18.0",
+      "    GPU 1: MultiGpuBarrierWithNccl +1.0 5.0, ag_mosaic_gpu_kernel +7.0 20.0",
+      "  call 1:",
+      "    GPU 0: MultiGpuBarrierWithNccl +0.0 4.0, ag_mosaic_gpu_kernel +5.0 20.0",
+      "    GPU 1: MultiGpuBarrierWithNccl +2.0 1.0, ag_mosaic_gpu_kernel +4.0 21.0",
+  ]
+  with pytest.raises(ValueError, match="GPU 1: 5 launches in 2 calls"):
+    kernel_profile.per_gpu_lines({1: launches[1] + [launches[1][0]]}, 2)
