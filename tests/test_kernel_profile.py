@@ -70,14 +70,20 @@ def test_durations_by_position_in_each_warpgroup():
       "tile": [10.0, 15.0, 10.0], "epilogue": []}
 
 
+def _suite_modules(suite: str, blocks: int, stores: int) -> list[str]:
+  """The CUDA MLIR of each kernel (or program) of a peer-store probe suite
+  over two devices, in the suite's order."""
+  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  return [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+          for fn, args in peer_store_probe.kernels(mesh, blocks, stores, suite=suite).values()]
+
+
 def test_peer_store_probe_lowers_for_cuda():
   """The probe's kernels export for CUDA over a 2-device axis: the eight
   storing into the next device address it (each a different kernel; one
   spins on the peer's entry marker, one on the clock, one reads the peer's
   pages, one prefetches them), the one storing into this device does not."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-                    for fn, args in peer_store_probe.kernels(mesh, 4, 3).values())
+  *remote, local = _suite_modules("causes", 4, 3)
   assert len(remote) == 8 and len(set(remote)) == 8
   assert [m.count("bra SPIN") for m in remote] == [0, 0, 0, 0, 1, 0, 0, 0]
   assert [m.count("%globaltimer") > 0 for m in remote] == [False] * 5 + [True, False, False]
@@ -93,9 +99,7 @@ def test_peer_store_probe_lowers_for_cuda():
 def test_peer_store_probe_order_suite_lowers_for_cuda():
   """Suite "order": three kernels storing into the next device (plain,
   page-major, two passes: each a different kernel) and the local one."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-                    for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="order").values())
+  *remote, local = _suite_modules("order", 4, 3)
   assert len(remote) == 3 and len(set(remote)) == 3
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   assert "mosaic_gpu.device_id_load" not in local
@@ -104,9 +108,7 @@ def test_peer_store_probe_order_suite_lowers_for_cuda():
 def test_peer_store_probe_after_big_suite_lowers_for_cuda():
   """Suite "after_big": the plain kernel, then a program of two kernels (4x
   the stores, then the plain one's), then the local one."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-             for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="after_big").values()]
+  modules = _suite_modules("after_big", 4, 3)
   assert [m.count("mosaic_gpu") > 0 for m in modules] == [True] * 3
   assert [m.count("mosaic_gpu.device_id_load") for m in modules][2] == 0
   assert modules[1].count("custom_call @mosaic_gpu") == 2 * modules[0].count("custom_call @mosaic_gpu")
@@ -124,9 +126,7 @@ def test_peer_store_probe_ramp_suite_lowers_for_cuda():
   """Suite "ramp": the plain kernel, one per stagger (each spinning on
   %globaltimer by its block index first), device 0 alone (the others
   spinning), then the local one."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-                    for fn, args in peer_store_probe.kernels(mesh, 4, 3, suite="ramp").values())
+  *remote, local = _suite_modules("ramp", 4, 3)
   staggers = len(peer_store_probe.STAGGERS_NS)
   assert len(remote) == 2 + staggers and len(set(remote)) == len(remote)
   assert ["%ctaid.x" in m for m in remote] == [False] + [True] * (staggers + 1)  # + idle spin
@@ -140,9 +140,7 @@ def test_peer_store_probe_size_suite_lowers_for_cuda():
   """Suite "size": four kernels storing into the next device (every block;
   block 0 alone, its rows or spread; the first quarter), each a different
   kernel, then the local one."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  *remote, local = (jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-                    for fn, args in peer_store_probe.kernels(mesh, 8, 4, suite="size").values())
+  *remote, local = _suite_modules("size", 8, 4)
   assert len(remote) == 4 and len(set(remote)) == 4
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   assert "mosaic_gpu.device_id_load" not in local
@@ -151,9 +149,7 @@ def test_peer_store_probe_size_suite_lowers_for_cuda():
 def test_peer_store_probe_in_flight_suite_lowers_for_cuda():
   """Suite "in_flight": one kernel per (storing blocks, stores in flight),
   each different, all storing into the next device."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-             for fn, args in peer_store_probe.kernels(mesh, 64, 32, suite="in_flight").values()]
+  modules = _suite_modules("in_flight", 64, 32)
   assert len(modules) == len(set(modules)) == len(peer_store_probe.IN_FLIGHT)
   assert all("mosaic_gpu.device_id_load" in m for m in modules)
 
@@ -161,9 +157,7 @@ def test_peer_store_probe_in_flight_suite_lowers_for_cuda():
 def test_peer_store_probe_prewarm_suite_lowers_for_cuda():
   """Suite "prewarm": the plain kernel, then one per number of warming
   blocks, each waiting on a semaphore before its stores."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  plain, *warmed = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-                    for fn, args in peer_store_probe.kernels(mesh, 32, 8, suite="prewarm").values()]
+  plain, *warmed = _suite_modules("prewarm", 32, 8)
   assert len(warmed) == len(set(warmed)) == len(peer_store_probe.PREWARMERS)
   assert all("prewarm_wait" in m for m in warmed) and "prewarm_wait" not in plain
 
@@ -171,9 +165,7 @@ def test_peer_store_probe_prewarm_suite_lowers_for_cuda():
 def test_peer_store_probe_idle_suite_lowers_for_cuda():
   """Suite "idle": one program per gap, a long kernel then a short one that
   spins for the gap (on %globaltimer) before its stores."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-             for fn, args in peer_store_probe.kernels(mesh, 8, 4, suite="idle").values()]
+  modules = _suite_modules("idle", 8, 4)
   assert len(modules) == len(set(modules)) == len(peer_store_probe.IDLE_GAPS_US)
   for us, module in zip(peer_store_probe.IDLE_GAPS_US, modules):
     assert f"add.u64 wait, wait, {us * 1000}" in module
@@ -181,18 +173,14 @@ def test_peer_store_probe_idle_suite_lowers_for_cuda():
 
 def test_peer_store_probe_after_small_suite_lowers_for_cuda():
   """Suite "after_small": one program per size of the kernel run first."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  modules = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-             for fn, args in peer_store_probe.kernels(mesh, 8, 16, suite="after_small").values()]
+  modules = _suite_modules("after_small", 8, 16)
   assert len(modules) == len(set(modules)) == 3
 
 
 def test_peer_store_probe_loads_suite_lowers_for_cuda():
   """Suite "loads": stores issued and not awaited, then awaited local loads
   (scope `load`) in every block; the last kernel stores locally."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
-  *remote, local = [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-                    for fn, args in peer_store_probe.kernels(mesh, 8, 4, suite="loads").values()]
+  *remote, local = _suite_modules("loads", 8, 4)
   assert len(remote) == len(set(remote)) == 2
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   assert "mosaic_gpu.device_id_load" not in local
