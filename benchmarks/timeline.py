@@ -109,11 +109,14 @@ def summarize(launches: dict[int, list[Launch]], *, calls: int,
   return out
 
 
-def launch_us(events: list[Launch], fragment: str, calls: int) -> list[float]:
+def launch_us(events: list[Launch], fragment: str | Callable[[str], bool],
+              calls: int) -> list[float]:
   """Each launch of the kernels whose name contains `fragment` (lower case),
-  in program order within a call: the median over `calls` calls of its
-  duration, µs. The launches must number the same in every call."""
-  durations = [e.duration_ns / 1e3 for e in events if fragment in e.name.lower()]
+  or for which `fragment(name)` holds, in program order within a call: the
+  median over `calls` calls of its duration, µs. The launches must number
+  the same in every call."""
+  selected = fragment if callable(fragment) else lambda name: fragment in name.lower()
+  durations = [e.duration_ns / 1e3 for e in events if selected(e.name)]
   if len(durations) % calls:
     raise ValueError(f"{len(durations)} launches of {fragment!r} in {calls} calls:"
                      " not the same number in every call.")

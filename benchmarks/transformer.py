@@ -133,6 +133,15 @@ TOP_KERNELS = 40
 # Kernels whose every launch the timeline lists (lower-case name fragments).
 TIMELINE_LAUNCHES = (f"{ag_kernel.KERNEL_NAME}_mosaic_gpu", f"{rs_kernel.KERNEL_NAME}_mosaic_gpu",
                      f"{fd_kernel.KERNEL_NAME}_mosaic_gpu", "multigpubarrier", "nccl")
+# The categories of a layer's projections, fused (our kernels) or BSP (the
+# GEMMs XLA runs): the timeline lists their launches in program order
+# (`matmuls_us`), so that each projection's kernel can be set against the
+# GEMM the BSP step runs for it (session 38: o 1.14x, down 1.10x in the D = 2
+# prefill on H200s).
+MATMUL_CATEGORIES = (f"{ag_kernel.KERNEL_NAME} (pallas)", f"{rs_kernel.KERNEL_NAME} (pallas)",
+                     "gemm")
+# A forward step's matmul launches per layer, in program order, then the head's.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 GPU_SHAPES = {"train": ((1, 8192), (8, 2048)), "prefill": ((1, 8192), (8, 2048)),
               "decode": tuple((b, s) for s in (8192, 32768, 131072) for b in (8, 32, 128))}
@@ -294,9 +303,27 @@ def _timeline(run: Callable[[], object]) -> dict | None:
                 launches, calls=calls, category=category).items()},
             "launches_us": {gpu: {f: us for f in TIMELINE_LAUNCHES
                                   if (us := timeline.launch_us(events, f, calls))}
-                            for gpu, events in launches.items()}}
+                            for gpu, events in launches.items()},
+            "matmuls_us": {gpu: timeline.launch_us(events, _is_matmul, calls)
+                           for gpu, events in launches.items()}}
   except Exception as e:  # pylint: disable=broad-except
     return {"calls": calls, "error": _error_text(e)}
+
+
+def _is_matmul(kernel_name: str) -> bool:
+  return category(kernel_name) in MATMUL_CATEGORIES
+
+
+def projection_us(matmuls_us: list[float], layers: int) -> dict[str, float] | None:
+  """{projection: the median over layers of its launch's µs} from a forward
+  step's matmul launches in program order (PROJECTIONS per layer, then at
+  most one for the head); None when the launches do not number that (a
+  training step, or a projection XLA split in two)."""
+  per_layer = len(PROJECTIONS)
+  if layers < 1 or len(matmuls_us) not in (per_layer * layers, per_layer * layers + 1):
+    return None
+  return {p: statistics.median(matmuls_us[i:per_layer * layers:per_layer])
+          for i, p in enumerate(PROJECTIONS)}
 
 
 def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
@@ -491,6 +518,12 @@ def timeline_lines(record: dict) -> list[str]:
   for label, ms in sorted(per_label.items(), key=lambda kv: min(kv[1]) - max(kv[1]))[:4]:
     lines.append(f"  {label}: " + " ".join(f"{x:.2f}" for x in ms)
                  + f" (spread {max(ms) - min(ms):.2f})")
+  projections = {gpu: p for gpu, us in traced.get("matmuls_us", {}).items()
+                 if (p := projection_us(us, record.get("layers", 0)))}
+  if projections:
+    lines.append("  per projection, µs (median over layers): " + "; ".join(
+        f"{gpu}: " + " ".join(f"{name} {us:.1f}" for name, us in p.items())
+        for gpu, p in projections.items()))
   return lines
 
 

@@ -69,6 +69,32 @@ def test_each_launch_gets_its_median_over_the_calls():
     timeline.launch_us(launches[0], "all_gather_matmul", calls=3)
 
 
+def test_launches_can_be_selected_by_a_predicate():
+  launches = timeline.device_launches(PROFILE)
+  assert timeline.launch_us(launches[1], lambda name: name == NCCL, calls=2) == [25.0]
+  assert timeline.launch_us(launches[0], lambda name: True, calls=2) == [10.0, 30.0, 5.0]
+
+
+def test_each_projection_gets_its_median_over_the_layers():
+  # Two layers (qkv, o, gate_up, down each), then the head.
+  us = [1.0, 2.0, 3.0, 4.0, 3.0, 6.0, 9.0, 12.0, 7.0]
+  assert bench.projection_us(us, layers=2) == {"qkv": 2.0, "o": 4.0, "gate_up": 6.0,
+                                               "down": 8.0}
+  assert bench.projection_us(us[:8], layers=2) == bench.projection_us(us, layers=2)
+  assert bench.projection_us(us, layers=3) is None  # not 4 per layer (e.g. a training step)
+  assert bench.projection_us(us, layers=0) is None
+
+
+def test_the_benchmark_prints_each_projections_kernel():
+  record = {"layers": 1, "timeline": {"devices": {}, "matmuls_us": {
+      "0": [1006.0, 859.0, 5468.0, 2792.0, 300.0], "1": [1.0, 2.0]}}}
+  assert bench.timeline_lines(record) == []  # no per-GPU summary: nothing printed
+  record["timeline"]["devices"] = {"0": {"by_category_ms": {}, "busy_ms": 1.0, "span_ms": 1.0}}
+  lines = bench.timeline_lines(record)
+  assert lines[-1] == ("  per projection, µs (median over layers): 0: qkv 1006.0 o 859.0"
+                       " gate_up 5468.0 down 2792.0")  # GPU 1's launches do not fit
+
+
 def test_the_benchmark_prints_where_gpus_differ():
   record = {"timeline": {"devices": {
       gpu: dataclasses.asdict(s)
