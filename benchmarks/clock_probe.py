@@ -20,14 +20,11 @@ the share of samples with the software power cap or a slowdown reason set.
 Writes <device>x<D>_clock_probe.json under --out_dir. NVIDIA GPUs only.
 """
 
-import ctypes
 import dataclasses
 import json
 import os
 import pathlib
 import statistics
-import threading
-import time
 
 from absl import app
 from absl import flags
@@ -36,6 +33,7 @@ import jax
 from benchmarks import all_gather_matmul as ag_bench
 from benchmarks import flash_decode as fd_bench
 from benchmarks import matmul_reduce_scatter as rs_bench
+from benchmarks import power
 from benchmarks import runner
 from benchmarks import spmd
 
@@ -47,127 +45,12 @@ _ROUNDS = flags.DEFINE_integer("clock_rounds", 2, "Rounds; the cases take turns 
 _SAMPLE_MS = flags.DEFINE_float("sample_ms", 10.0, "NVML sampling period.")
 # --shapes, --impls and --out_dir are benchmarks.runner's flags.
 
-# nvmlClocksEventReasons bits (nvml.h).
-POWER_CAP = 0x4  # SwPowerCap
-SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80  # HwSlowdown, SwThermal, HwThermal, HwPowerBrake
-_NVML_CLOCK_SM = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-  """One GPU at one instant: SM clock (MHz), power (W), event-reason bits."""
-  sm_mhz: int
-  power_w: float
-  reasons: int
-
-
-class Nvml:
-  """The few NVML calls this probe needs, through ctypes, for GPUs `indices`
-  (NVML's numbering, which is the bus order, as CUDA_VISIBLE_DEVICES')."""
-
-  def __init__(self, indices=None, library: str = "libnvidia-ml.so.1"):
-    try:
-      self._lib = ctypes.CDLL(library)
-    except OSError as e:
-      raise RuntimeError(f"NVML ({library}) is not available: {e}; the clock probe needs an"
-                         " NVIDIA driver.") from e
-    self._call("nvmlInit_v2")
-    # Named ...ThrottleReasons before driver 535.
-    self._reasons = next(n for n in ("nvmlDeviceGetCurrentClocksEventReasons",
-                                     "nvmlDeviceGetCurrentClocksThrottleReasons")
-                         if hasattr(self._lib, n))
-    count = ctypes.c_uint()
-    self._call("nvmlDeviceGetCount_v2", ctypes.byref(count))
-    self.indices = tuple(range(count.value) if indices is None else indices)
-    self._handles = []
-    for index in self.indices:
-      handle = ctypes.c_void_p()
-      self._call("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(index), ctypes.byref(handle))
-      self._handles.append(handle)
-
-  def _call(self, name: str, *args) -> None:
-    status = getattr(self._lib, name)(*args)
-    if status != 0:
-      raise RuntimeError(f"NVML {name} returned {status}.")
-
-  def sample(self) -> tuple[Sample, ...]:
-    """Every GPU's clock, power and reasons now."""
-    out = []
-    for handle in self._handles:
-      mhz, milliwatts, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
-      self._call("nvmlDeviceGetClockInfo", handle, ctypes.c_int(_NVML_CLOCK_SM), ctypes.byref(mhz))
-      self._call("nvmlDeviceGetPowerUsage", handle, ctypes.byref(milliwatts))
-      self._call(self._reasons, handle, ctypes.byref(reasons))
-      out.append(Sample(mhz.value, milliwatts.value / 1000, reasons.value))
-    return tuple(out)
-
-
-def visible_indices(env: str | None) -> tuple[int, ...] | None:
-  """The NVML indices of CUDA_VISIBLE_DEVICES's value `env` when it lists
-  integers; None (every GPU) when it is unset or names GPUs otherwise."""
-  if not env:
-    return None
-  items = [item.strip() for item in env.split(",")]
-  return tuple(int(i) for i in items) if all(i.isdigit() for i in items) else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Summary:
-  """The samples taken while one case ran: medians over time of the mean over
-  GPUs, and shares of samples (any GPU) with a reason set."""
-  sm_mhz: float
-  power_w: float
-  power_capped: float
-  slowed: float
-  samples: int
-
-
-def summarize(samples: list[tuple[Sample, ...]]) -> Summary:
-  """The Summary of samples taken while one case ran (each a tuple over GPUs)."""
-  if not samples:
-    raise ValueError("no samples: raise --seconds or lower --sample_ms.")
-  mean = lambda values: sum(values) / len(values)
-  return Summary(
-      sm_mhz=statistics.median(mean([g.sm_mhz for g in s]) for s in samples),
-      power_w=statistics.median(mean([g.power_w for g in s]) for s in samples),
-      power_capped=mean([any(g.reasons & POWER_CAP for g in s) for s in samples]),
-      slowed=mean([any(g.reasons & SLOWDOWN for g in s) for s in samples]),
-      samples=len(samples))
-
-
-def run_sampled(fn, args, nvml: Nvml, seconds: float, sample_ms: float) -> tuple[float, Summary]:
-  """Calls fn(*args) back to back for `seconds` (at most 16 in flight) while
-  sampling: (wall µs per call, the samples' summary)."""
-  samples, done = [], threading.Event()
-
-  def sampler():
-    while not done.is_set():
-      samples.append(nvml.sample())
-      time.sleep(sample_ms / 1000)
-
-  thread = threading.Thread(target=sampler)
-  calls, start = 0, time.perf_counter()
-  thread.start()
-  try:
-    while time.perf_counter() - start < seconds:
-      out = fn(*args)
-      calls += 1
-      if calls % 16 == 0:
-        jax.block_until_ready(out)
-    jax.block_until_ready(out)
-    wall = time.perf_counter() - start
-  finally:
-    done.set()
-    thread.join()
-  return wall / calls * 1e6, summarize(samples)
-
-
 def main(_) -> None:
   op = _OPS[_BENCHMARK.value]
   mesh = spmd.mesh()
   if mesh.devices.flat[0].platform != "gpu":
     raise SystemExit("benchmarks.clock_probe: NVIDIA GPUs only.")
-  nvml = Nvml(visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES")))
+  nvml = power.Nvml(power.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES")))
   records = []
   for shape in runner.parse_shapes(op, on_gpu=True):
     inputs = op.setup(shape, mesh)
@@ -186,13 +69,14 @@ def main(_) -> None:
     runs = {name: [] for name in built}
     for _ in range(_ROUNDS.value):
       for name, b in built.items():
-        runs[name].append(run_sampled(b.fn, b.args, nvml, _SECONDS.value, _SAMPLE_MS.value))
+        runs[name].append(power.run_sampled(lambda b=b: b.fn(*b.args), nvml, _SECONDS.value,
+                                      _SAMPLE_MS.value))
     print(f"== {op.name} {shape} on {spmd.device_tag(mesh)}, GPUs {nvml.indices}: median of"
           f" {_ROUNDS.value} rounds of {_SECONDS.value} s")
     for name, results in runs.items():
       us = statistics.median(r[0] for r in results)
-      s = Summary(*(statistics.median(getattr(r[1], f.name) for r in results)
-                    for f in dataclasses.fields(Summary)))
+      s = power.Summary(*(statistics.median(getattr(r[1], f.name) for r in results)
+                          for f in dataclasses.fields(power.Summary)))
       records.append({"op": op.name, "shape": str(shape), "case": name, "wall_us_per_call": us,
                       **dataclasses.asdict(s)})
       print(f"  {name:22s} {us:9.1f} µs/call  SM {s.sm_mhz:6.0f} MHz  {s.power_w:6.1f} W"

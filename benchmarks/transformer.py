@@ -61,6 +61,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import harness
+from benchmarks import power
 from benchmarks import runner  # pylint: disable=unused-import (its --iterations, --out_dir)
 from benchmarks import spmd
 from benchmarks import timeline
@@ -104,6 +105,11 @@ _TIMELINE_CALLS = flags.DEFINE_integer(
     "timeline_calls", 0, "Also trace this many calls of each case with jax.profiler: per-GPU"
     " time by category, busy and span, and each launch of our kernels, XLA's barrier and NCCL"
     " (the record's `timeline`; benchmarks/timeline.py). 0: no trace.")
+_POWER_SECONDS = flags.DEFINE_float(
+    "power_seconds", 0.0, "Also run each case's step back to back this long while NVML samples"
+    " the GPUs in use: power per GPU, SM clock, the share of samples at the power cap, and energy"
+    " per step per GPU (the record's `power`; benchmarks/power.py). At the 700 W cap a step's"
+    " time is about its energy over the cap (NOTES, session 38). 0: not sampled.")
 _MEMORY_FRACTION = flags.DEFINE_float(
     "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
     " device 0's free memory.")
@@ -140,6 +146,7 @@ TIMELINE_LAUNCHES = (f"{ag_kernel.KERNEL_NAME}_mosaic_gpu", f"{rs_kernel.KERNEL_
 # prefill on H200s).
 MATMUL_CATEGORIES = (f"{ag_kernel.KERNEL_NAME} (pallas)", f"{rs_kernel.KERNEL_NAME} (pallas)",
                      "gemm")
+POWER_SAMPLE_MS = 10.0  # --power_seconds: the NVML sampling period
 # A forward step's matmul launches per layer, in program order, then the head's.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -326,11 +333,36 @@ def projection_us(matmuls_us: list[float], layers: int) -> dict[str, float] | No
           for i, p in enumerate(PROJECTIONS)}
 
 
+def _nvml_indices(devices: int) -> tuple[int, ...]:
+  """NVML's indices of the first `devices` GPUs (the mesh's, `_mesh`)."""
+  visible = power.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+  hardware = [d.local_hardware_id for d in sorted(jax.devices(), key=lambda x: x.id)[:devices]]
+  return tuple(visible[h] if visible else h for h in hardware)
+
+
+def _power(call: Callable[[], object], devices: int) -> dict | None:
+  """`--power_seconds` of `call()` back to back, sampled: {"wall_ms" per
+  step, "power_w" and "sm_mhz" (medians over time of the mean over the GPUs),
+  "power_capped" (share of samples with a GPU at its cap), "mj_per_gpu" (energy
+  per step per GPU), ...}; None without the flag or off GPUs."""
+  seconds = _POWER_SECONDS.value
+  if seconds <= 0 or not harness.cupti_available():
+    return None
+  try:  # a diagnostic: its failure must not fail the case
+    nvml = power.Nvml(_nvml_indices(devices))
+    wall_us, s = power.run_sampled(call, nvml, seconds, POWER_SAMPLE_MS)
+  except Exception as e:  # pylint: disable=broad-except
+    return {"seconds": seconds, "error": _error_text(e)}
+  return {"seconds": seconds, "gpus": list(nvml.indices), "wall_ms": wall_us / 1e3,
+          **dataclasses.asdict(s), "mj_per_gpu": s.power_w * wall_us / 1e3}
+
+
 def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
   t = harness.measure(fn, args, iterations=iterations)
   return {"cupti_ms": None if t.cupti_us is None else t.cupti_us / 1e3,
           "dispatch_ms": t.dispatch_us / 1e3, "kernels": t.kernels,
-          "timeline": _timeline(lambda: jax.block_until_ready(fn(*args)))}
+          "timeline": _timeline(lambda: jax.block_until_ready(fn(*args))),
+          "power": _power(lambda: fn(*args), devices)}
 
 
 def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices: int):
@@ -360,6 +392,12 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
     nonlocal args
     args = jax.block_until_ready(advance(args, fn(*args)))
   result["timeline"] = _timeline(step)
+
+  def launch():  # returns the next call's args: nothing donated yet
+    nonlocal args
+    args = advance(args, fn(*args))
+    return args
+  result["power"] = _power(launch, devices)
   return result, jax.block_until_ready(args)
 
 
@@ -487,8 +525,9 @@ def _run_case(case: Case, config, holder: dict, mesh, iterations: int, deadline:
     gc.collect()
   kernels = figures.pop("kernels")
   info = figures.pop("info")
-  if figures["timeline"] is None:
-    del figures["timeline"]
+  for diagnostic in ("timeline", "power"):
+    if figures[diagnostic] is None:
+      del figures[diagnostic]
   record.update(status="ok", wall_s=time.monotonic() - start, **figures, info=info,
                 breakdown_ms=breakdown_ms(kernels, case.d) if kernels else {},
                 top_kernels=[(n, c, t / 1e3 / case.d)
@@ -525,6 +564,18 @@ def timeline_lines(record: dict) -> list[str]:
         f"{gpu}: " + " ".join(f"{name} {us:.1f}" for name, us in p.items())
         for gpu, p in projections.items()))
   return lines
+
+
+def power_lines(record: dict) -> list[str]:
+  """The record's power samples, if taken (`--power_seconds`)."""
+  sampled = record.get("power")
+  if not sampled:
+    return []
+  if "error" in sampled:
+    return [f"power sampling failed: {sampled['error']}"]
+  return [f"power: {sampled['power_w']:.0f} W per GPU at {sampled['sm_mhz']:.0f} MHz"
+          f" ({sampled['power_capped']:.0%} of samples at the power cap), {sampled['wall_ms']:.2f}"
+          f" ms per step back to back: {sampled['mj_per_gpu']:.0f} mJ per step per GPU"]
 
 
 def _line(r: dict) -> str:
@@ -743,7 +794,7 @@ def main(argv) -> None:
           print(f"    {_line(record)}", flush=True)
           for label, ms in record.get("breakdown_ms", {}).items():
             print(f"      {ms:9.3f} ms  {label}", flush=True)
-          for line in timeline_lines(record):
+          for line in timeline_lines(record) + power_lines(record):
             print(f"      {line}", flush=True)
           records.append(record)
           # Written after every case: a run cut off by a time limit keeps them.

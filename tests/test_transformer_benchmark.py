@@ -11,6 +11,7 @@ import pytest
 
 import testkit
 from benchmarks import model_table
+from benchmarks import power
 from benchmarks import transformer as bench
 from pallas_kernels import platform
 
@@ -19,6 +20,7 @@ from pallas_kernels import platform
 def quick_run(tmp_path):
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--quick", "--axis_sizes=2", "--model_layers=1",
                                           "--iterations=1", "--timeline_calls=1",
+                                          "--power_seconds=0.01",
                                           "--model_variants=fused,bsp,bsp_no_slice_fusion",
                                           f"--out_dir={tmp_path}"]):
     bench.main(None)
@@ -36,6 +38,7 @@ def test_a_quick_run_records_every_step_and_variant(quick_run):
     assert r["dispatch_ms"] > 0 and r["cupti_ms"] is None  # no CUPTI on CPU
     assert r["info"]["explain"][0].startswith("attention: ")
     assert "timeline" not in r  # traced, but a CPU trace has no GPU plane
+    assert "power" not in r  # NVML samples GPUs only
   assert records["tiny/D2/decode/b8_s1024/bsp"]["decode_impl"] == "xla_bsp"
   assert "Hopper" in quick_run["pallas"]
 
@@ -131,3 +134,51 @@ def test_variants_follow_the_flag_and_reject_unknown_names():
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fast"]):
     with pytest.raises(app.UsageError, match="unknown.*fast"):
       bench.variants()
+
+
+class _FakeNvml:
+  """Two GPUs at 690 and 700 W, one of them at its power cap."""
+
+  def __init__(self, indices):
+    self.indices = tuple(indices)
+
+  def sample(self):
+    return (power.Sample(1450, 690.0, 0), power.Sample(1470, 700.0, power.POWER_CAP))
+
+
+def test_power_samples_give_energy_per_step(monkeypatch):
+  monkeypatch.setattr(bench.harness, "cupti_available", lambda: True)
+  monkeypatch.setattr(bench.power, "Nvml", _FakeNvml)
+  f = jax.jit(lambda x: x @ x)
+  x = jax.numpy.ones((64, 64))
+  f(x).block_until_ready()
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--power_seconds=0.05"]):
+    sampled = bench._power(lambda: f(x), devices=2)  # pylint: disable=protected-access
+  assert sampled["gpus"] == [0, 1] and sampled["samples"] >= 1
+  assert (sampled["power_w"], sampled["sm_mhz"], sampled["power_capped"]) == (695.0, 1460, 1.0)
+  assert sampled["mj_per_gpu"] == pytest.approx(695.0 * sampled["wall_ms"])
+  assert bench.power_lines({"power": sampled})[0].startswith(
+      "power: 695 W per GPU at 1460 MHz (100% of samples at the power cap), ")
+  with testkit.parsed_flags(flags.FLAGS, ["bench"]):
+    assert bench._power(lambda: f(x), devices=2) is None  # pylint: disable=protected-access
+
+
+def test_a_failed_power_sampling_is_reported_not_raised(monkeypatch):
+  def no_nvml(indices):
+    raise RuntimeError(f"NVML (libnvidia-ml.so.1) is not available for {indices}")
+  monkeypatch.setattr(bench.harness, "cupti_available", lambda: True)
+  monkeypatch.setattr(bench.power, "Nvml", no_nvml)
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--power_seconds=0.05"]):
+    sampled = bench._power(lambda: None, devices=1)  # pylint: disable=protected-access
+  assert "RuntimeError: NVML (libnvidia-ml.so.1) is not available for (0,)" in sampled["error"]
+  assert bench.power_lines({"power": sampled}) == [
+      f"power sampling failed: {sampled['error']}"]
+
+
+@pytest.mark.parametrize("env,want", [(None, (0, 1)), ("3,5,7", (3, 5))])
+def test_power_samples_the_meshs_gpus(monkeypatch, env, want):
+  if env is None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  else:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+  assert bench._nvml_indices(2) == want  # pylint: disable=protected-access

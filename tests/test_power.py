@@ -1,20 +1,20 @@
-"""benchmarks.clock_probe: the samples' summary, the GPU selection, NVML's absence (CPU)."""
+"""benchmarks.power: the samples' summary, the GPU selection, NVML's absence (CPU)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import clock_probe
-from benchmarks.clock_probe import Sample
+from benchmarks import power
+from benchmarks.power import Sample
 
 
 def test_summary_is_the_median_over_time_of_the_mean_over_gpus():
   samples = [
       (Sample(1980, 300.0, 0), Sample(1960, 310.0, 0)),  # mean 1970 MHz, 305 W
-      (Sample(1700, 690.0, clock_probe.POWER_CAP), Sample(1800, 700.0, 0)),  # 1750, 695
-      (Sample(1600, 700.0, 0x40), Sample(1700, 700.0, clock_probe.POWER_CAP)),  # 1650, 700
+      (Sample(1700, 690.0, power.POWER_CAP), Sample(1800, 700.0, 0)),  # 1750, 695
+      (Sample(1600, 700.0, 0x40), Sample(1700, 700.0, power.POWER_CAP)),  # 1650, 700
   ]
-  s = clock_probe.summarize(samples)
+  s = power.summarize(samples)
   assert (s.sm_mhz, s.power_w, s.samples) == (1750, 695.0, 3)
   assert s.power_capped == pytest.approx(2 / 3)  # any GPU capped in 2 of 3 samples
   assert s.slowed == pytest.approx(1 / 3)  # a thermal slowdown in one
@@ -22,18 +22,18 @@ def test_summary_is_the_median_over_time_of_the_mean_over_gpus():
 
 def test_summary_of_no_samples_says_what_to_change():
   with pytest.raises(ValueError, match="--seconds"):
-    clock_probe.summarize([])
+    power.summarize([])
 
 
 @pytest.mark.parametrize("env,want", [(None, None), ("", None), ("0,1", (0, 1)),
                                       ("2, 3", (2, 3)), ("GPU-5e1c,GPU-77aa", None)])
 def test_visible_indices(env, want):
-  assert clock_probe.visible_indices(env) == want
+  assert power.visible_indices(env) == want
 
 
 def test_missing_nvml_is_a_clear_error():
   with pytest.raises(RuntimeError, match="NVML .* is not available"):
-    clock_probe.Nvml(library="libno-such-nvml.so.1")
+    power.Nvml(library="libno-such-nvml.so.1")
 
 
 def test_run_sampled_times_calls_while_sampling():
@@ -47,7 +47,7 @@ def test_run_sampled_times_calls_while_sampling():
   fn = jax.jit(lambda x: x @ x)
   x = jnp.ones((64, 64))
   fn(x).block_until_ready()
-  us, summary = clock_probe.run_sampled(fn, (x,), FakeNvml(), seconds=0.05, sample_ms=1.0)
+  us, summary = power.run_sampled(lambda: fn(x), FakeNvml(), seconds=0.05, sample_ms=1.0)
   assert 0 < us < 50_000
   assert summary.samples == FakeNvml.calls >= 1
   assert (summary.sm_mhz, summary.power_w, summary.power_capped) == (1500, 400.0, 0)
