@@ -11,8 +11,8 @@ clock, part of its time over the GEMM alone is the clock, not the schedule.
 
 For each shape, each case of the op benchmark's (`--impls`, the names its
 --impls takes) runs calls back to back for --seconds while a thread samples
-the GPUs' SM clock, power draw and clock-event reasons through NVML (ctypes,
-the driver's libnvidia-ml.so.1) every --sample_ms; the cases take turns for
+the GPUs' SM clock, power draw and clock-event reasons through NVML
+(`benchmarks.power`) every --sample_ms; the cases take turns for
 --clock_rounds rounds. Printed per case (medians over rounds): wall time per call,
 the median SM clock (MHz) and power (W) of the samples taken while it ran,
 averaged over the GPUs in use (those of CUDA_VISIBLE_DEVICES, else all), and
@@ -70,7 +70,7 @@ def main(_) -> None:
     for _ in range(_ROUNDS.value):
       for name, b in built.items():
         runs[name].append(power.run_sampled(lambda b=b: b.fn(*b.args), nvml, _SECONDS.value,
-                                      _SAMPLE_MS.value))
+                                            _SAMPLE_MS.value))
     print(f"== {op.name} {shape} on {spmd.device_tag(mesh)}, GPUs {nvml.indices}: median of"
           f" {_ROUNDS.value} rounds of {_SECONDS.value} s")
     for name, results in runs.items():
