@@ -15,8 +15,10 @@ the GPUs' SM clock, power draw and clock-event reasons through NVML
 (`benchmarks.power`) every --sample_ms; the cases take turns for
 --clock_rounds rounds. Printed per case (medians over rounds): wall time per call,
 the median SM clock (MHz) and power (W) of the samples taken while it ran,
-averaged over the GPUs in use (those of CUDA_VISIBLE_DEVICES, else all), and
-the share of samples with the software power cap or a slowdown reason set.
+averaged over the GPUs in use (those of CUDA_VISIBLE_DEVICES, else all), the
+energy per call and GPU (power x wall time: at the cap, the figure that sets
+the time; benchmarks/NOTES.md, session 38), and the share of samples with the
+software power cap or a slowdown reason set.
 Writes <device>x<D>_clock_probe.json under --out_dir. NVIDIA GPUs only.
 """
 
@@ -77,10 +79,12 @@ def main(_) -> None:
       us = statistics.median(r[0] for r in results)
       s = power.Summary(*(statistics.median(getattr(r[1], f.name) for r in results)
                           for f in dataclasses.fields(power.Summary)))
+      mj = s.power_w * us / 1e3  # per call per GPU
       records.append({"op": op.name, "shape": str(shape), "case": name, "wall_us_per_call": us,
-                      **dataclasses.asdict(s)})
+                      **dataclasses.asdict(s), "mj_per_call_per_gpu": mj})
       print(f"  {name:22s} {us:9.1f} µs/call  SM {s.sm_mhz:6.0f} MHz  {s.power_w:6.1f} W"
-            f"  power-capped {s.power_capped:4.0%}  slowed {s.slowed:4.0%}  ({s.samples} samples)")
+            f"  {mj:8.1f} mJ/call  power-capped {s.power_capped:4.0%}  slowed {s.slowed:4.0%}"
+            f"  ({s.samples} samples)")
   path = pathlib.Path(flags.FLAGS.out_dir) / f"{spmd.device_tag(mesh)}_clock_probe.json"
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"device_kind": mesh.devices.flat[0].device_kind,
