@@ -6,6 +6,7 @@ it is scripted)."""
 import dataclasses
 import importlib
 import json
+import re
 import types
 
 from absl import flags
@@ -217,3 +218,43 @@ def test_jax_baseline_sweep_picks_the_best_median_of_its_fastest(scripted_cupti,
   assert tuned.config == configs[2] and tuned.cupti_us == 12.0
   assert (tuned.tried, tuned.candidates, tuned.finalists, tuned.complete) == (
       7, 7, harness.FINALISTS, True)
+
+
+
+def _op(module: str):
+  """The `dispatch.Op` an op module states (its `_OP`)."""
+  return importlib.import_module(f"jax_overlap.{module}")._OP  # pylint: disable=protected-access
+
+
+_MATMUL_KEY = r"D=(\d+) m=\d+ k=\d+ n=\d+ (bfloat16|float16)"
+_DECODE_KEY = r"D=(\d+) b=\d+ hq=\d+ hkv=\d+ dh=\d+ s=\d+ (bfloat16|float16)"
+# <op>_auto.json: (its key format, the op module whose impls it names).
+_AUTO_TABLES = {"all_gather_matmul_auto": (_MATMUL_KEY, "all_gather_matmul"),
+                "matmul_reduce_scatter_auto": (_MATMUL_KEY, "matmul_reduce_scatter"),
+                "flash_decode_auto": (_DECODE_KEY, "flash_decode")}
+_SHIPPED_AUTO_TABLES = sorted(tuned.DATA_DIR.glob("*/*_auto.json"))
+
+
+def test_the_package_ships_auto_tables_for_h100_and_h200():
+  kinds = {path.parent.name for path in _SHIPPED_AUTO_TABLES}
+  assert {tuned.device_dir("NVIDIA H100 80GB HBM3"), tuned.device_dir(KIND)} <= kinds
+  assert {path.stem for path in _SHIPPED_AUTO_TABLES} == set(_AUTO_TABLES)
+
+
+@pytest.mark.parametrize("path", _SHIPPED_AUTO_TABLES,
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_shipped_auto_entry_names_its_fastest_measured_impl(path):
+  """What `auto_grid --write_table` writes, and merges of its runs must keep:
+  a well-formed problem key over 2+ devices, impls of the op, and as the
+  winner the fastest of those timed there (`auto` follows it for that
+  problem)."""
+  key_format, module = _AUTO_TABLES[path.stem]
+  impls = _op(module).impls
+  table = json.loads(path.read_text())
+  assert table, path
+  for key, entry in table.items():
+    match = re.fullmatch(key_format, key)
+    assert match and int(match.group(1)) >= 2, key
+    us = entry["us"]
+    assert len(us) >= 2 and set(us) <= set(impls), (key, entry)
+    assert entry["impl"] == min(us, key=us.get), (key, entry)
