@@ -79,7 +79,7 @@ def main(_) -> None:
       us = statistics.median(r[0] for r in results)
       s = power.Summary(*(statistics.median(getattr(r[1], f.name) for r in results)
                           for f in dataclasses.fields(power.Summary)))
-      mj = s.power_w * us / 1e3  # per call per GPU
+      mj = power.energy_mj(s, us)
       records.append({"op": op.name, "shape": str(shape), "case": name, "wall_us_per_call": us,
                       **dataclasses.asdict(s), "mj_per_call_per_gpu": mj})
       print(f"  {name:22s} {us:9.1f} µs/call  SM {s.sm_mhz:6.0f} MHz  {s.power_w:6.1f} W"

@@ -107,6 +107,11 @@ def summarize(samples: list[tuple[Sample, ...]]) -> Summary:
       samples=len(samples))
 
 
+def energy_mj(summary: Summary, wall_us: float) -> float:
+  """Energy per call and GPU (mJ): the samples' power over a call's wall time."""
+  return summary.power_w * wall_us / 1e3
+
+
 def run_sampled(call, nvml: Nvml, seconds: float, sample_ms: float) -> tuple[float, Summary]:
   """Runs `call()` back to back for `seconds` (at most 16 calls in flight)
   while sampling: (wall µs per call, the samples' summary). `call` launches

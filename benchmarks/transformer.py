@@ -354,7 +354,7 @@ def _power(call: Callable[[], object], devices: int) -> dict | None:
   except Exception as e:  # pylint: disable=broad-except
     return {"seconds": seconds, "error": _error_text(e)}
   return {"seconds": seconds, "gpus": list(nvml.indices), "wall_ms": wall_us / 1e3,
-          **dataclasses.asdict(s), "mj_per_gpu": s.power_w * wall_us / 1e3}
+          **dataclasses.asdict(s), "mj_per_gpu": power.energy_mj(s, wall_us)}
 
 
 def _time_stateless(fn, args, iterations: int, devices: int) -> dict:

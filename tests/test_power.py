@@ -51,3 +51,8 @@ def test_run_sampled_times_calls_while_sampling():
   assert 0 < us < 50_000
   assert summary.samples == FakeNvml.calls >= 1
   assert (summary.sm_mhz, summary.power_w, summary.power_capped) == (1500, 400.0, 0)
+
+
+def test_energy_is_power_over_a_calls_wall_time():
+  s = power.Summary(sm_mhz=1450, power_w=700.0, power_capped=1.0, slowed=0.0, samples=3)
+  assert power.energy_mj(s, wall_us=5000.0) == pytest.approx(3500.0)  # 700 W x 5 ms
