@@ -46,10 +46,7 @@ cta_n], so w streams from HBM once instead of once per step: the gathered
 problem is bound by that read. The rows travel by "push" (the own rows into
 the own receive buffer too, announced locally), and a tile's memory
 warpgroup waits, before each group of K pieces, until every device's pieces
-of that group are in. With `config.prefetch_w`, a block's memory warpgroup
-first asks for its first tile's leading K steps of w to be brought into L2
-(`plgpu.async_prefetch`, `_PREFETCH_BYTES` over the grid), so that HBM
-streams w while the rows are on their way and those steps then load from L2.
+of that group are in.
 
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,
@@ -136,12 +133,6 @@ DEFER_WAVES = 2
 # HBM rate (benchmarks/NOTES.md, decode v14).
 _WHOLE_MAX_ROWS = 256
 _WHOLE_MIN_COLS = 8192
-# whole_rows with prefetch_w: the bytes of w that the grid's first tiles ask
-# L2 (50 MB on H100 and H200) to hold while the rows arrive (~8 µs at 8-16 rows
-# per device, D = 4: ~38 MB of HBM time at 4.8 TB/s), and the K steps per
-# prefetch (a TMA box spans at most 256 rows).
-_PREFETCH_BYTES = 24 << 20
-_PREFETCH_BOX_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,11 +196,6 @@ class AllGatherMatmulConfig:
       SMs' GEMM stages; it then holds the link instead (AG v24, session 37).
       Experimental: passes the GPU tests at D = 4, slower than the default
       at the model's qkv shape (benchmarks/NOTES.md).
-    prefetch_w: with whole_rows, each block's memory warpgroup asks L2 for
-      the leading K steps of its first tile's w columns before it waits for
-      the rows (`prefetch_steps`): the wait (~15-20 kcyc at 8 rows per
-      device, D = 4: AG v26 in benchmarks/NOTES.md) otherwise leaves HBM
-      idle. A hint: no result depends on it. Experimental (AG v26).
     primed: with "forward" or "ring" over peers, take the start-of-call
       stall of the stores into peers off the GEMM: at the start the memory
       warpgroups of a few blocks reduce-add a zero tile into the first rows
@@ -233,7 +219,6 @@ class AllGatherMatmulConfig:
   entry: bool = False
   forwarders: int | None = None
   primed: bool = False
-  prefetch_w: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -244,8 +229,7 @@ class AllGatherMatmulConfig:
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
                whole_rows=d.get("whole_rows", False), entry=d.get("entry", False),
-               forwarders=d.get("forwarders"), primed=d.get("primed", False),
-               prefetch_w=d.get("prefetch_w", False))
+               forwarders=d.get("forwarders"), primed=d.get("primed", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -330,9 +314,6 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
-  if config.prefetch_w:
-    return ("config.prefetch_w is experimental: lowering-tested on CPU, not yet run on GPUs"
-            " (benchmarks/NOTES.md, AG v26).")
   return None
 
 
@@ -355,8 +336,6 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return (f"config.primed needs send 'forward' or 'ring', no stream, and rows per device a"
             f" multiple of {_PRIMER_ROWS}; got send={config.send!r}, stream={config.stream},"
             f" {m_shard} rows.")
-  if config.prefetch_w and not config.whole_rows:
-    return "config.prefetch_w needs whole_rows (the tiles that wait for the rows before any load)."
   if config.whole_rows:
     rows = axis_size * m_shard
     if config.send != "push" or config.strip_chunks is not None or config.stream:
@@ -371,15 +350,6 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return config.tiles.unsupported_reason(span, k, n_shard, jnp.dtype(dtype).itemsize)
   return (config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, m_shard, config.tiles.cta_m))
-
-
-def _prefetch_boxes(k: int, tiles: gemm_core.GemmTiles, blocks: int, dtype) -> list[tuple[int, int]]:
-  """prefetch_w: (first K row, rows) of each box of w's rows that a block
-  prefetches, the leading K steps that `blocks` blocks' [tile_k, cta_n] steps
-  fit in `_PREFETCH_BYTES`, in boxes of at most `_PREFETCH_BOX_ROWS` rows."""
-  step_bytes = tiles.tile_k * tiles.cta_n * jnp.dtype(dtype).itemsize
-  rows = min(k // tiles.tile_k, _PREFETCH_BYTES // (blocks * step_bytes)) * tiles.tile_k
-  return [(r, min(_PREFETCH_BOX_ROWS, rows - r)) for r in range(0, rows, _PREFETCH_BOX_ROWS)]
 
 
 def _with_padded_rows(x, w, m_pad: int, *, pregathered, return_gathered: bool, **kwargs):
@@ -483,10 +453,6 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       lambda b: b < pieces_per_chunk,
       (_FIRST_GROUP_PIECES << i for i in itertools.count())), pieces_per_chunk]
   steps_per_piece = push_cols // tiles.tile_k
-  # prefetch_w: the (first K row, rows) boxes of w that each block asks L2
-  # for before its first tile's wait.
-  prefetched = (_prefetch_boxes(k, tiles, min(grid, n_tiles), x.dtype)
-                if whole and remote and config.prefetch_w else [])
   k_steps = k // tiles.tile_k
   stream = forward_mode and remote and config.stream
   # What a remote tile's memory warpgroup waits for before loading K step
@@ -565,20 +531,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         with jax.named_scope("tile"):
           core(scratch, x_ref if exchange else gathered_ref, b_cols, out_tile, **order)
         return
-
-      @jax.named_scope("prefetch")
-      def prefetch():
-        for first_row, rows in prefetched:
-          k_rows = pl.ds(first_row, rows)
-          plgpu.async_prefetch(b_cols.at[:, k_rows] if w_transposed else b_cols.at[k_rows])
-
-      def before_load(k_idx):
-        if prefetched:  # the block's first tile, before its first wait
-          pl.when(order["first"] & (k_idx == 0))(prefetch)
-        wait_group(k_idx, range(d), 0)
-
       with jax.named_scope("remote_tile"):
-        core(scratch, gathered_ref, b_cols, out_tile, before_load=before_load, **order)
+        core(scratch, gathered_ref, b_cols, out_tile,
+             before_load=lambda k_idx: wait_group(k_idx, range(d), 0), **order)
 
     def tile(scratch, info):
       lin = info.index[0]

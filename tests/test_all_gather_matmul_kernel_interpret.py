@@ -740,18 +740,15 @@ def test_default_config_takes_whole_rows_for_decode_size_rows_and_wide_w(d, m, n
 
 
 @pytest.mark.parametrize("return_gathered", [True, False], ids=["gathered", "out_only"])
-@pytest.mark.parametrize("d,m,transposed,prefetch", [
-    (2, 64, False, False), (4, 64, False, False), (2, 32, True, False), (4, 8, False, False),
-    (4, 8, False, True), (2, 32, True, True)])
-def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, prefetch, return_gathered):
+@pytest.mark.parametrize("d,m,transposed", [(2, 64, False), (4, 64, False), (2, 32, True),
+                                           (4, 8, False)])
+def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, return_gathered):
   """The whole-rows exchange (pushed rows, the own ones announced locally,
-  waits on every device's group) lowers for CUDA; with prefetch_w, with the
-  L2 prefetches of w (and without it, none)."""
+  waits on every device's group) lowers for CUDA."""
   k, n = 2048, 8192
   mesh = jax.make_mesh((d,), ("x",))
   config = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
   assert config.whole_rows
-  config = dataclasses.replace(config, prefetch_w=prefetch)
 
   def body(x, w):
     out, gathered = agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132,
@@ -769,32 +766,6 @@ def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, prefetch, return_
       sds((d * m, k), jax.P("x")), sds(w_shape, w_spec)).mlir_module()
   assert "red.release.sys" in module and "red.release.gpu" in module
   assert "wait_group" in module and "push" in module
-  assert ("cp.async.bulk.prefetch.tensor" in module) == prefetch
-
-
-def test_prefetch_w_needs_whole_rows_and_fits_l2():
-  """prefetch_w: only with whole_rows tiles; the boxes cover the leading K
-  steps that the grid's tiles fit in the L2 budget, in boxes of at most 256
-  rows, and never past K."""
-  whole = agm.default_config(8, 8192, 14336, BF16, axis_size=4, num_sms=_NUM_SMS)
-  assert whole.whole_rows
-  config = dataclasses.replace(whole, prefetch_w=True)
-  assert agm.unsupported_reason(8, 8192, 14336, BF16, config, axis_size=4) is None
-  assert "experimental" in agm.experimental_reason(config, axis_size=4)
-  not_whole = agm.AllGatherMatmulConfig(send="push", prefetch_w=True)
-  assert "needs whole_rows" in agm.unsupported_reason(1024, 4096, 4096, BF16, not_whole,
-                                                      axis_size=2)
-  tiles = whole.tiles
-  blocks = 14336 // tiles.cta_n
-  boxes = agm._prefetch_boxes(8192, tiles, blocks, BF16)
-  rows = sum(r for _, r in boxes)
-  step = tiles.tile_k * tiles.cta_n * 2
-  assert [first for first, _ in boxes] == list(range(0, rows, 256))
-  assert all(0 < r <= 256 and r % tiles.tile_k == 0 for _, r in boxes)
-  assert blocks * rows // tiles.tile_k * step <= agm._PREFETCH_BYTES
-  assert blocks * (rows // tiles.tile_k + 1) * step > agm._PREFETCH_BYTES
-  short = agm._prefetch_boxes(128, tiles, 4, BF16)  # the budget holds all of K
-  assert short == [(0, 128)]
 
 
 def test_whole_rows_is_experimental_where_not_run_on_gpus():
