@@ -8,11 +8,11 @@ w [K, N_shard], bf16 -> all_gather(x) @ w, [D * M_shard, N_shard].
 Cases:
   ours      pallas (where `explain` picks it), xla_bsp, xla_ring (a ppermute
             ring: it stands for the ring baseline too); pallas_forward,
-            pallas_ring, pallas_push, pallas_forward_stream and
-            pallas_ring_stream: the kernel with each send design forced
-            (on `fused_config`'s tiles; `_stream`: per-group waits,
-            AllGatherMatmulConfig.stream), to keep the designs' numbers side
-            by side; pallas_fwd<F> (opt-in, F in FORWARDER_CAPS):
+            pallas_ring, pallas_push, and (opt-in: slower at D = 2 and 4,
+            AG v20) pallas_forward_stream and pallas_ring_stream: the kernel
+            with each send design forced (on `fused_config`'s tiles;
+            `_stream`: per-group waits, AllGatherMatmulConfig.stream), to keep
+            the designs' numbers side by side; pallas_fwd<F> (opt-in, F in FORWARDER_CAPS):
             `fused_config` with F forwarding tiles per row chunk
             (`forwarders`; "forward" and "ring" sends), fewer SMs storing
             into peers at once (AG v24 in benchmarks/NOTES.md: slower);
@@ -157,7 +157,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
   return [
       *(cases.ours(impl, explain, ours) for impl in ("pallas", "xla_bsp", "xla_ring")),
       *(runner.Case(f"pallas_{send}{'_stream' if stream else ''}", "ours",
-                    functools.partial(_pallas_send, shape, mesh, inputs, send, stream))
+                    functools.partial(_pallas_send, shape, mesh, inputs, send, stream),
+                    opt_in=stream)
         for send, stream in SEND_DESIGNS),
       *(runner.Case(f"pallas_fwd{f}", "ours", functools.partial(
           _pallas_forwarding, shape, mesh, inputs, forwarders=f), opt_in=True)
