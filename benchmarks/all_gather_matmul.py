@@ -16,7 +16,9 @@ Cases:
             `fused_config` with F forwarding tiles per row chunk
             (`forwarders`; "forward" and "ring" sends), fewer SMs storing
             into peers at once (AG v24 in benchmarks/NOTES.md: slower);
-            pallas_primed (opt-in): `fused_config` with `primed` (AG v25).
+            pallas_primed (opt-in): `fused_config` with `primed` (AG v25);
+            pallas_one_fence (opt-in): `fused_config` with `one_fence` (AG
+            v27).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -106,6 +108,14 @@ def _pallas_forwarding(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.O
   return _pallas_config(mesh, inputs, dataclasses.replace(config, **changes))
 
 
+def _pallas_one_fence(shape: shapes.AllGatherMatmulShape, mesh,
+                      inputs: cases.Operands) -> runner.Built:
+  """`fused_config` with its announcements behind one fence (AG v27)."""
+  cases.require_hopper("our kernel")
+  return _pallas_config(mesh, inputs,
+                        dataclasses.replace(fused_config(shape, mesh), one_fence=True))
+
+
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
   return ours_fn(mesh, "xla_bsp")(inputs.x, inputs.w)
 
@@ -165,6 +175,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
         for f in FORWARDER_CAPS),
       runner.Case("pallas_primed", "ours", functools.partial(
           _pallas_forwarding, shape, mesh, inputs, primed=True), opt_in=True),
+      runner.Case("pallas_one_fence", "ours", functools.partial(
+          _pallas_one_fence, shape, mesh, inputs), opt_in=True),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -195,6 +207,7 @@ OP = runner.OpSpec(
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
                 "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "pallas_primed",
+                "pallas_one_fence",
                 "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )

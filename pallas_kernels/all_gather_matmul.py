@@ -209,6 +209,15 @@ class AllGatherMatmulConfig:
       shapes the deferred forwards delay the peers. Experimental (AG v25):
       in-kernel the GEMM no longer stalls (gate-up at 1.01x its core's
       cycles, from 1.06x), but CUPTI times it level with the default.
+    one_fence: a sender announces what it stored to several devices (a
+      pushed piece to the D - 1 peers and, with whole_rows, this device; a
+      forwarded chunk to every peer) behind one system-scope fence
+      (`signals.signal_each`) instead of one release per device
+      (`signals.signal`), as the decode kernel does since its v21 (there
+      `publish` halved at D = 4). At 8 rows per device, D = 4, a pusher's
+      `push` scope takes ~13 kcyc for one piece and its three releases while
+      every tile waits for the rows (AG v27). Experimental: lowering-tested,
+      not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -219,6 +228,7 @@ class AllGatherMatmulConfig:
   entry: bool = False
   forwarders: int | None = None
   primed: bool = False
+  one_fence: bool = False
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -229,7 +239,8 @@ class AllGatherMatmulConfig:
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
                whole_rows=d.get("whole_rows", False), entry=d.get("entry", False),
-               forwarders=d.get("forwarders"), primed=d.get("primed", False))
+               forwarders=d.get("forwarders"), primed=d.get("primed", False),
+               one_fence=d.get("one_fence", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -314,6 +325,9 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
+  if config.one_fence:
+    return ("config.one_fence is experimental: lowering-tested on CPU, not yet run on GPUs"
+            " (benchmarks/NOTES.md, AG v27).")
   return None
 
 
@@ -511,6 +525,15 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     # them next, me - 1.
     receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
 
+    def announce(sems):
+      """Adds 1 to each semaphore of `sems` (peers' through remote refs, at
+      most one of this device's) after the stores they announce."""
+      if config.one_fence and sems:
+        signals.signal_each(sems, "sys")
+        return
+      for sem in sems:
+        signals.signal(sem, "sys")
+
     def wait_group(k_idx, sources, chunk):
       """The memory warpgroup, before loading step k_idx: if it starts a
       group, the group of `chunk` is here from every device of `sources`."""
@@ -576,8 +599,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       def signal_group(k_idx):
         """stream: forwarded step k_idx has landed at the receivers."""
         group = sum(jnp.asarray(k_idx >= b, jnp.int32) for b in group_bounds[1:-1])
-        for peer in receivers:
-          signals.signal(plgpu.remote_ref(arrived.at[src, chunk, group], peer), "sys")
+        announce([plgpu.remote_ref(arrived.at[src, chunk, group], peer) for peer in receivers])
 
       def settle(k_idx):
         done = k_idx - settle_lag
@@ -598,8 +620,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           if not stream:
-            for peer in receivers:
-              signals.signal(plgpu.remote_ref(arrived.at[src, chunk, 0], peer), "sys")
+            announce([plgpu.remote_ref(arrived.at[src, chunk, 0], peer) for peer in receivers])
             return
           for k_idx in range(max(0, k_steps - settle_lag), k_steps):
             pl.when(forwarded(k_idx))(lambda k_idx=k_idx: signal_group(k_idx))
@@ -690,10 +711,13 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           pl.when(j + 1 < mine)(lambda: load(j + 1))
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           group = sum((kp >= start).astype(jnp.int32) for start in group_starts[1:-1])
-          for peer in peers:
-            signals.signal(plgpu.remote_ref(arrived.at[me, chunk, group], peer), "sys")
-          if whole:  # this device's tiles read its own rows from the receive buffer too
-            signals.signal(arrived.at[me, chunk, group], "gpu")
+          sems = [plgpu.remote_ref(arrived.at[me, chunk, group], peer) for peer in peers]
+          if whole and config.one_fence:  # this device's tiles read its own rows there too
+            announce([*sems, arrived.at[me, chunk, group]])
+          else:
+            announce(sems)
+            if whole:
+              signals.signal(arrived.at[me, chunk, group], "gpu")
 
     if push_mode:
       pl.run_scoped(push, plgpu.SMEM((2, chunk_rows, push_cols), x.dtype),

@@ -155,6 +155,14 @@ class MatmulReduceScatterConfig:
       at the barrier XLA runs before each launch. For multi-process jobs
       (see `AllGatherMatmulConfig.entry`); in one process it was no faster
       (RS v5). Experimental: lowering-tested, not yet run on GPUs.
+    one_fence: an announcement to every device (a zeroer's `ready` with
+      add_all or whole_rows; a whole_rows item's `landed` to the peers) is
+      one system-scope fence and relaxed adds (`signals.signal_each`)
+      instead of one release per device: each release waited ~5 kcyc in the
+      decode kernel at D = 4 (its v21), and a zeroer's announcement to D
+      devices took ~17 kcyc (RS v7) while every block's first epilogue
+      waits for it. Experimental (RS v13): lowering-tested, not yet run on
+      GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -165,6 +173,7 @@ class MatmulReduceScatterConfig:
   k_splits: int = 1
   entry: bool = False
   interleave: bool = False
+  one_fence: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -258,7 +267,9 @@ VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": wit
             "drip_lag2": lambda config: with_drip(config, announce_lag=2),
             "drip_add_all_lag2": lambda config: with_drip(with_add_all(config), announce_lag=2),
             "drip_add_all_interleave": lambda config: dataclasses.replace(
-                with_drip(with_add_all(config)), interleave=True)}
+                with_drip(with_add_all(config)), interleave=True),
+            "drip_add_all_one_fence": lambda config: dataclasses.replace(
+                with_drip(with_add_all(config)), one_fence=True)}
 
 
 # whole_rows' K splits trade the weight's streaming from HBM (more items keep
@@ -329,6 +340,9 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.interleave:
     return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
             " GPUs (benchmarks/NOTES.md, RS v12).")
+  if config.one_fence:
+    return ("config.one_fence is experimental: lowering-tested on CPU, not yet run on GPUs"
+            " (benchmarks/NOTES.md, RS v13).")
   return None
 
 
@@ -420,6 +434,9 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
   if config.announce_lag == 2 and _late_granules(k_shard // t.tile_k, t):
     return (f"config.announce_lag=2 needs every granule sent inside the next K loop: K_shard ="
             f" {k_shard} has too few K steps for {t.epi_slots} granules; use announce_lag=1.")
+  if config.one_fence and not config.add_all:
+    return ("config.one_fence applies to announcements to every device (add_all's `ready`,"
+            " whole_rows); without add_all or whole_rows it has none: set add_all.")
   if config.interleave and not (config.add_all and config.announce_lag == 1):
     return ("config.interleave needs add_all (no own tile may wait for the peers' partials) and"
             f" announce_lag=1; got add_all={config.add_all}, announce_lag={config.announce_lag}.")
@@ -465,23 +482,30 @@ class Standalone:
   size: int
 
 
-def _signal_devices(sem, me, d: int, axis_name, *, local: bool = True) -> None:
+def _signal_devices(sem, me, d: int, axis_name, *, local: bool = True,
+                    one_fence: bool = False) -> None:
   """Adds 1 to semaphore `sem` on every peer over the axis (release order at
-  system scope), and first on this device (at GPU scope) if `local`."""
+  system scope), and first on this device (at GPU scope) if `local`; with
+  `one_fence`, all of them behind one system-scope fence."""
+  remote = [plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}) for o in range(1, d)]
+  if one_fence:
+    signals.signal_each([sem, *remote] if local else remote, "sys")
+    return
   if local:
     signals.signal(sem, "gpu")
-  for o in range(1, d):
-    signals.signal(plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}), "sys")
+  for peer_sem in remote:
+    signals.signal(peer_sem, "sys")
 
 
-def _announce_zeroed(ready, me, d: int, axis_name, peers_in: entry.Entry | None) -> None:
+def _announce_zeroed(ready, me, d: int, axis_name, peers_in: entry.Entry | None, *,
+                     one_fence: bool = False) -> None:
   """A zeroer's share of this device's output is zeroed: `ready[me]` + 1 on
   every device, after the entry handshake if there is one (the zeroer's
   first write into a peer)."""
   if peers_in is not None:
     peers_in.wait()
   with jax.named_scope("ready"):
-    _signal_devices(ready.at[me], me, d, axis_name)
+    _signal_devices(ready.at[me], me, d, axis_name, one_fence=one_fence)
 
 
 def _await_peer_halves(landed, count: int, sm, wg) -> None:
@@ -758,7 +782,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
           store(out_ref.at[pl.ds(chunk * tiles.cta_m, tiles.cta_m),
                            pl.ds(n_idx * tiles.cta_n, tiles.cta_n)])
       core.zero_fill(scratch, tiles_of_block)
-      _announce_zeroed(ready, me, d, axis_name, peers_in)
+      _announce_zeroed(ready, me, d, axis_name, peers_in, one_fence=config.one_fence)
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):
@@ -857,7 +881,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       """This warpgroup's half of its previous item has landed at the peers."""
       with jax.named_scope("signal"):
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        _signal_devices(landed.at[0], me, d, axis_name, local=False)
+        _signal_devices(landed.at[0], me, d, axis_name, local=False, one_fence=config.one_fence)
 
     def item_(scratch, info):
       i = info.index[0]
@@ -891,7 +915,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       def _(c):
         plgpu.copy_smem_to_gmem(zeros, out_ref.at[:, pl.ds(c * epi_n, epi_n)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      _announce_zeroed(ready, me, d, axis_name, peers_in)
+      _announce_zeroed(ready, me, d, axis_name, peers_in, one_fence=config.one_fence)
 
     @jax.named_scope("tiles")
     def run_tiles(**scratch):

@@ -632,6 +632,40 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gather
 
 
 @pytest.mark.parametrize("d,shape,send", [
+    (4, (64, 3072, 2560), "push"), (4, (512, 8192, 7168), "forward"),
+    (4, (1024, 4096, 4096), "ring"), (4, (8, 2048, 8192), "whole"), (2, (128, 8192, 7168), "push"),
+    (8, (128, 8192, 3584), "push"),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_one_fence_announces_behind_one_fence(d, shape, send):
+  """config.one_fence: every announcement to several devices is one
+  system-scope fence and relaxed adds (`signals.signal_each`), no release
+  per device; without it, releases and no relaxed adds. Experimental."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  base = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
+  assert base.whole_rows == (send == "whole")
+  if send != "whole":
+    base = dataclasses.replace(base, send=send)
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  for one_fence in (True, False):
+    config = dataclasses.replace(base, one_fence=one_fence)
+    assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
+    assert ("one_fence" in (agm.experimental_reason(config, axis_size=d) or "")) == one_fence
+
+    def body(x, w, config=config):
+      return agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
+                              out_specs=jax.P(None, "x")))
+    module = jax.export.export(f, platforms=["cuda"])(
+        sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+    assert ("fence.acq_rel.sys" in module) == one_fence
+    assert ("red.relaxed.sys" in module) == one_fence
+    assert ("red.release.sys" in module) == (not one_fence)
+
+
+@pytest.mark.parametrize("d,shape,send", [
     (2, (1024, 4096, 4096), "forward"),
     (2, (128, 8192, 7168), "push"),
     (4, (512, 8192, 7168), "ring"),

@@ -177,19 +177,23 @@ def test_each_design_over_poisoned_memory(variant, shape):
 WHOLE_SHAPES = [(2 * 16, 4096, 8192), (2 * 32, 2048, 4096), (2 * 6, 1024, 2560)]
 
 
+@pytest.mark.parametrize("one_fence", [
+    False, pytest.param(True, marks=pytest.mark.experimental)], ids=["", "one_fence"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_transposed"])
 @pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_whole_rows_over_poisoned_memory(shape, transposed):
+def test_whole_rows_over_poisoned_memory(shape, transposed, one_fence):
   """Every owner's row block in one tile, K split, float32 reduce-adds into
-  the zeroed outputs (`kernel.whole_rows_config`): every device's rows, 3
-  calls with new data each after a NaN fill of the memory the next output
-  takes, both w layouts."""
+  the zeroed outputs (`kernel.whole_rows_config`), and with the announcements
+  behind one fence (`one_fence`, experimental): every device's rows, 3 calls
+  with new data each after a NaN fill of the memory the next output takes,
+  both w layouts."""
   mesh = _mesh()
   d = mesh.shape[AXIS]
   m, k_shard, n = shape
   m = m // 2 * d
-  config = kernel.whole_rows_config(m // d, k_shard, n, BF16, axis_size=d,
-                                    num_sms=platform.num_sms())
+  config = dataclasses.replace(kernel.whole_rows_config(m // d, k_shard, n, BF16, axis_size=d,
+                                                        num_sms=platform.num_sms()),
+                               one_fence=one_fence)
   assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config, axis_size=d) is None
   w_spec = P(None, AXIS) if transposed else W_SPEC
   op = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas",

@@ -267,6 +267,34 @@ def test_add_all_lowers_for_cuda_without_first_in_waits(d):
   assert "wait_ready" in added
 
 
+@pytest.mark.parametrize("d,rows,k,design", [
+    (4, 512, 4096, "drip_add_all"), (3, 128, 1024, "add_all"), (4, 8, 2048, "whole_rows"),
+    (2, 16, 4096, "whole_rows"), (8, 1024, 1024, "drip_add_all")])
+def test_one_fence_announces_to_every_device_behind_one_fence(d, rows, k, design):
+  """config.one_fence: the zeroers' `ready` (and whole_rows' per-item
+  `landed`) to every device is one system-scope fence and relaxed adds; the
+  partials' announcements to their one owner stay releases (the designs
+  with add_all), and without one_fence there is no relaxed add. Refused
+  where it has nothing to announce (no add_all, no whole_rows).
+  Experimental."""
+  n = 8192 if design == "whole_rows" else 1024
+  if design == "whole_rows":
+    base = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+  else:
+    base = rs.VARIANTS[design](rs.base_config(rows, k, n, BF16, axis_size=d, num_sms=132))
+  config = dataclasses.replace(base, one_fence=True)
+  assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
+  assert "one_fence" in rs.experimental_reason(config, axis_size=d)
+  fenced, released = (_cuda_module(c, d * rows, k, n, d) for c in (config, base))
+  assert "fence.acq_rel.sys" in fenced and "red.relaxed.sys" in fenced
+  assert "red.relaxed.sys" not in released and "red.release.gpu" in released
+  assert "red.release.gpu" not in fenced  # the local `ready` goes with the peers'
+  assert ("red.release.sys" in fenced) == (design != "whole_rows")  # tiles' owner signals
+  plain = dataclasses.replace(rs.base_config(rows, k, n, BF16, axis_size=d, num_sms=132),
+                              one_fence=True)
+  assert "add_all" in rs.unsupported_reason(rows, k, n, BF16, plain, axis_size=d)
+
+
 def test_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     _config(64, "n").strip_chunks = 2  # type: ignore[misc]
@@ -422,7 +450,7 @@ def test_only_the_unmeasured_variants_are_experimental():
   """Benchmarks and the GPU suite leave experimental variants out unless
   named; the measured ones stay in."""
   assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {
-      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave"}
+      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave", "drip_add_all_one_fence"}
 
 
 @pytest.mark.parametrize("d,per_step,grid", [
