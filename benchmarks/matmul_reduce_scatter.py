@@ -13,6 +13,8 @@ Cases:
             (`rs_kernel.VARIANTS`: plain, the output zeroed first and every
             partial reduce-added, peer tiles sent a granule at a time during
             the next K loop, with and without add_all);
+            pallas_whole_rows, pallas_whole_rows_one_fence (opt-in): the
+            whole_rows design wherever it fits, without and with one_fence;
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -23,6 +25,7 @@ Cases:
             no matmul: T_comm of the overlap efficiency (FLUX's definition).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -97,16 +100,17 @@ def _pallas_variant(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
                  _variant_config(shape, ctx.mesh, variant))
 
 
-def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context
-                       ) -> runner.Built:
+def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
+                       **changes) -> runner.Built:
   """The whole_rows design (decode-size rows) wherever it fits, whatever
-  `default_config` takes (opt-in: to compare the two designs)."""
+  `default_config` takes (opt-in: to compare the two designs), with `changes`."""
   cases.require_hopper("our kernel")
   config = rs_kernel.whole_rows_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
                                        axis_size=ctx.mesh.size, num_sms=platform.num_sms())
   if config is None:
     raise runner.Skip("whole_rows needs the D row blocks in 128 rows.")
-  return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w), config)
+  return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
+                 dataclasses.replace(config, **changes))
 
 
 def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
@@ -134,6 +138,8 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
         for v in rs_kernel.VARIANTS),
       runner.Case("pallas_whole_rows", "ours", functools.partial(_pallas_whole_rows, shape, ctx),
                   opt_in=True),
+      runner.Case("pallas_whole_rows_one_fence", "ours", functools.partial(
+          _pallas_whole_rows, shape, ctx, one_fence=True), opt_in=True),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
