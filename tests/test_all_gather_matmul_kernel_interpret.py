@@ -631,6 +631,27 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape, send, return_gather
     assert ("settle" in module, "wait_chunk" in module) == (bool(stream), not stream)
 
 
+def _design_config(d: int, shape, send: str) -> agm.AllGatherMatmulConfig:
+  """The default config for `shape` = (M_shard, K, N_shard) at D = d, with
+  `send` forced, or "whole" (then the default must be whole_rows)."""
+  base = agm.default_config(*shape, BF16, axis_size=d, num_sms=132)
+  assert base.whole_rows == (send == "whole")
+  return base if send == "whole" else dataclasses.replace(base, send=send)
+
+
+def _out_only_module(config, d: int, shape) -> str:
+  """The MLIR of the per-shard op (out only) exported for CUDA at D = d."""
+  m, k, n = shape
+  mesh = jax.make_mesh((d,), ("x",))
+  body = lambda x, w: agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132)[0]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
+                            out_specs=jax.P(None, "x")))
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
+                                                 sharding=jax.NamedSharding(mesh, spec))
+  return jax.export.export(f, platforms=["cuda"])(
+      sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+
+
 @pytest.mark.parametrize("d,shape,send", [
     (4, (64, 3072, 2560), "push"), (4, (512, 8192, 7168), "forward"),
     (4, (1024, 4096, 4096), "ring"), (4, (8, 2048, 8192), "whole"), (2, (128, 8192, 7168), "push"),
@@ -640,26 +661,12 @@ def test_one_fence_announces_behind_one_fence(d, shape, send):
   """config.one_fence: every announcement to several devices is one
   system-scope fence and relaxed adds (`signals.signal_each`), no release
   per device; without it, releases and no relaxed adds. Experimental."""
-  m, k, n = shape
-  mesh = jax.make_mesh((d,), ("x",))
-  base = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
-  assert base.whole_rows == (send == "whole")
-  if send != "whole":
-    base = dataclasses.replace(base, send=send)
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
+  base = _design_config(d, shape, send)
   for one_fence in (True, False):
     config = dataclasses.replace(base, one_fence=one_fence)
-    assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
+    assert agm.unsupported_reason(*shape, BF16, config, axis_size=d) is None
     assert ("one_fence" in (agm.experimental_reason(config, axis_size=d) or "")) == one_fence
-
-    def body(x, w, config=config):
-      return agm.all_gather_matmul(x, w, axis_name="x", config=config, num_sms=132)[0]
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
-                              out_specs=jax.P(None, "x")))
-    module = jax.export.export(f, platforms=["cuda"])(
-        sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+    module = _out_only_module(config, d, shape)
     assert ("fence.acq_rel.sys" in module) == one_fence
     assert ("red.relaxed.sys" in module) == one_fence
     assert ("red.release.sys" in module) == (not one_fence)
@@ -821,27 +828,15 @@ def test_entry_meets_the_peers_inside_the_kernel(d, shape, send):
   peer's marker (`entry.Entry`'s handshake) in the kernel; without it, XLA's
   barrier and no spin. Experimental at D other than 1, 2 and 4 (not yet run
   on GPUs there)."""
-  m, k, n = shape
-  mesh = jax.make_mesh((d,), ("x",))
-  base = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
-  assert base.whole_rows == (send == "whole")
-  if send != "whole":
-    base = dataclasses.replace(base, send=send)
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
+  base = _design_config(d, shape, send)
   for meet in (True, False):
     config = dataclasses.replace(base, entry=meet)
-    assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
+    assert agm.unsupported_reason(*shape, BF16, config, axis_size=d) is None
     assert agm.experimental_reason(config, axis_size=d) is None
     if send != "whole":  # whole_rows is experimental at D = 8 itself
       assert (agm.experimental_reason(config, axis_size=8) is not None) == meet
     assert agm.AllGatherMatmulConfig.from_dict(config.to_dict()) == config
-    body = lambda x, w, config=config: agm.all_gather_matmul(
-        x, w, axis_name="x", config=config, num_sms=132, return_gathered=False)[0]
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), jax.P(None, "x")),
-                              out_specs=jax.P(None, "x")))
-    module = jax.export.export(f, platforms=["cuda"])(
-        sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
+    module = _out_only_module(config, d, shape)
     assert ("skip_device_barrier = true" in module) == meet
     assert module.count("bra SPIN") == int(meet)
     # The spin reads each peer's two marker words in every round.
