@@ -5,9 +5,10 @@
 #
 # Sets the env every GPU run takes (no NVLink multicast), logs the clocks, runs
 # each step under TIMEOUT and the call's budget left (BUDGET seconds from the
-# source), and at exit packs $OUT/r, benchmarks/results and jax_overlap/data
-# into $OUT/res.tgz: a call returns at most 8 files, so everything travels as
-# one. Export BUDGET: `BUDGET=... source` does not keep it.
+# source), and at exit packs $OUT/r, benchmarks/results, benchmarks/data (JAX's
+# swept baseline configs) and jax_overlap/data into $OUT/res.tgz: a call
+# returns at most 8 files, so everything travels as one. Export BUDGET:
+# `BUDGET=... source` does not keep it.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-./bench_out}"; mkdir -p "$OUT/r"
@@ -25,5 +26,6 @@ run() {  # run NAME TIMEOUT CMD...: CMD within TIMEOUT and the call's budget lef
   tail -4 "$OUT/r/$name.log"
   return $rc
 }
-_pack() { tar czf "$OUT/res.tgz" -C "$OUT" r -C "$PWD" benchmarks/results jax_overlap/data 2>/dev/null; }
+_pack() { tar czf "$OUT/res.tgz" -C "$OUT" r -C "$PWD" benchmarks/results benchmarks/data \
+  jax_overlap/data 2>/dev/null; }
 trap _pack EXIT
