@@ -12,8 +12,8 @@ Cases:
             AG v20) pallas_forward_stream and pallas_ring_stream: the kernel
             with each send design forced (on `fused_config`'s tiles;
             `_stream`: per-group waits, AllGatherMatmulConfig.stream), to keep
-            the designs' numbers side by side; pallas_fwd<F> (opt-in, F in FORWARDER_CAPS):
-            `fused_config` with F forwarding tiles per row chunk
+            the designs' numbers side by side; pallas_fwd<F> (opt-in, F in
+            FORWARDER_CAPS): `fused_config` with F forwarding tiles per row chunk
             (`forwarders`; "forward" and "ring" sends), fewer SMs storing
             into peers at once (AG v24 in benchmarks/NOTES.md: slower);
             pallas_primed (opt-in): `fused_config` with `primed` (AG v25);

@@ -167,7 +167,7 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+                "pallas_whole_rows_one_fence", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":
