@@ -525,14 +525,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     # them next, me - 1.
     receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
 
-    def announce(sems):
-      """Adds 1 to each semaphore of `sems` (peers' through remote refs, at
-      most one of this device's) after the stores they announce."""
-      if config.one_fence and sems:
-        signals.signal_each(sems, "sys")
-        return
-      for sem in sems:
-        signals.signal(sem, "sys")
+    def announce(sems, local=None):
+      """Adds 1 to each peer semaphore of `sems` and to this device's `local`
+      (if given), after the stores they announce (see config.one_fence)."""
+      signals.signal_devices(sems, local=local, one_fence=config.one_fence)
 
     def wait_group(k_idx, sources, chunk):
       """The memory warpgroup, before loading step k_idx: if it starts a
@@ -711,13 +707,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           pl.when(j + 1 < mine)(lambda: load(j + 1))
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           group = sum((kp >= start).astype(jnp.int32) for start in group_starts[1:-1])
-          sems = [plgpu.remote_ref(arrived.at[me, chunk, group], peer) for peer in peers]
-          if whole and config.one_fence:  # this device's tiles read its own rows there too
-            announce([*sems, arrived.at[me, chunk, group]])
-          else:
-            announce(sems)
-            if whole:
-              signals.signal(arrived.at[me, chunk, group], "gpu")
+          # With whole_rows this device's tiles read its own rows there too.
+          announce([plgpu.remote_ref(arrived.at[me, chunk, group], peer) for peer in peers],
+                   local=arrived.at[me, chunk, group] if whole else None)
 
     if push_mode:
       pl.run_scoped(push, plgpu.SMEM((2, chunk_rows, push_cols), x.dtype),

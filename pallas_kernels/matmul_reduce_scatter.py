@@ -487,14 +487,9 @@ def _signal_devices(sem, me, d: int, axis_name, *, local: bool = True,
   """Adds 1 to semaphore `sem` on every peer over the axis (release order at
   system scope), and first on this device (at GPU scope) if `local`; with
   `one_fence`, all of them behind one system-scope fence."""
-  remote = [plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}) for o in range(1, d)]
-  if one_fence:
-    signals.signal_each([sem, *remote] if local else remote, "sys")
-    return
-  if local:
-    signals.signal(sem, "gpu")
-  for peer_sem in remote:
-    signals.signal(peer_sem, "sys")
+  signals.signal_devices(
+      [plgpu.remote_ref(sem, {axis_name: lax.rem(me + o, d)}) for o in range(1, d)],
+      local=sem if local else None, one_fence=one_fence)
 
 
 def _announce_zeroed(ready, me, d: int, axis_name, peers_in: entry.Entry | None, *,

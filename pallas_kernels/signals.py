@@ -78,6 +78,23 @@ def signal_each(sems: Sequence, scope: Literal["gpu", "sys"] = "sys") -> None:
   add(*sems)
 
 
+def signal_devices(remote: Sequence, *, local=None, one_fence: bool = False) -> None:
+  """Announces the same awaited stores to several devices: adds 1 to this
+  device's semaphore `local` (if given) and to each peer semaphore of
+  `remote`, either one release each (`signal`: GPU scope for `local`, system
+  scope for the peers) or, with `one_fence`, all behind one system-scope
+  fence (`signal_each`)."""
+  if one_fence:
+    sems = [*([] if local is None else [local]), *remote]
+    if sems:
+      signal_each(sems, "sys")
+    return
+  if local is not None:
+    signal(local, "gpu")
+  for sem in remote:
+    signal(sem, "sys")
+
+
 def async_proxy_fence() -> None:
   """Orders this thread's generic-proxy accesses before its later TMA
   (async-proxy) accesses of global memory.
