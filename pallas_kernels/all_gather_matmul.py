@@ -41,12 +41,16 @@ concurrently on another stream and that held SMs could break that (not seen;
 the grid is sized to the SMs).
 
 With `config.whole_rows` (decode-size rows, `default_config` past one wave of
-wide weights) every tile spans all D x M_shard gathered rows, [D * M_shard,
+wide weights) every tile spans all D x M_shard gathered rows, [D * M_pad,
 cta_n], so w streams from HBM once instead of once per step: the gathered
 problem is bound by that read. The rows travel by "push" (the own rows into
-the own receive buffer too, announced locally), and a tile's memory
-warpgroup waits, before each group of K pieces, until every device's pieces
-of that group are in.
+the own receive buffer too, announced locally) into D blocks of M_pad rows,
+each device's at its block's start, and a tile's memory warpgroup waits,
+before each group of K pieces, until every device's pieces of that group
+are in; the tile stores each block's first M_shard rows. (Reading the rows
+packed, with TMA zero-filling the tile's rows past them, cost ~7 µs more
+per call than padding them around the kernel at 8-16 rows per device on 2
+H200s: AG v28.)
 
 Calls are safe back to back: XLA zeroes the kernel's semaphores and runs a
 cross-device barrier before every launch of a collective Mosaic GPU kernel,
@@ -175,11 +179,12 @@ class AllGatherMatmulConfig:
       Experimental: passes the GPU tests at D = 4, slower than without it
       (benchmarks/NOTES.md, AG v20).
     whole_rows: every tile spans the D x M_shard gathered rows (tiles.cta_m
-      = D x M_pad with M_pad >= M_shard: each device's rows are padded with
-      zero rows to M_pad, and the padding rows left out of the results; one
-      row chunk per device, strip_chunks None), so w is read from HBM once,
-      not once per device's rows: for decode-size rows, where that read
-      bounds the op. Needs send "push".
+      = D x M_pad with M_pad >= M_shard: each device's rows sit at the start
+      of a block of M_pad rows of the receive buffer, and only they are
+      stored (`whole_rows_in_place`; else they are padded with zero rows
+      around the kernel); one row chunk per device, strip_chunks None), so
+      w is read from HBM once, not once per device's rows: for decode-size
+      rows, where that read bounds the op. Needs send "push".
     entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
       handshake, run by block 0's first warpgroup; every sender waits for it
       before its first store into a peer) instead of at the barrier XLA runs
@@ -366,19 +371,30 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
           or gemm_core.strip_reason(config.strip_chunks, m_shard, config.tiles.cta_m))
 
 
+def whole_rows_in_place(m_shard: int, axis_size: int, tiles: gemm_core.GemmTiles) -> bool:
+  """Whether whole_rows tiles take each device's M_shard rows with no
+  padding copies around the kernel (AG v28): the receive buffer holds D
+  blocks of cta_m / D rows, each device's rows at the start of its block
+  (the rest never written, never stored: each output row depends on its own
+  row of x only), and the tiles store each block's first M_shard rows.
+  Needs M_shard a multiple of 8 (the stores' row granule) and the
+  warpgroups side by side (`gemm_core.TileStore.rows`), or no padding."""
+  return axis_size * m_shard == tiles.cta_m or (m_shard % 8 == 0 and tiles.wg_split == "n")
+
+
 def _with_padded_rows(x, w, m_pad: int, *, pregathered, return_gathered: bool, **kwargs):
   """`all_gather_matmul` with each device's rows padded with zeros to m_pad
   (whole_rows tiles span D x m_pad rows), the padding rows dropped from the
-  results."""
-  m_shard, k = x.shape
-  pad = lambda a: jnp.pad(a, ((0, m_pad - m_shard), (0, 0)))
-  unpad = lambda a: a.reshape(-1, m_pad, a.shape[-1])[:, :m_shard].reshape(-1, a.shape[-1])
+  results: where `whole_rows_in_place` does not hold."""
+  m_shard = x.shape[0]
   padded = None
   if pregathered is not None:
-    rows = pregathered.gathered.reshape(pregathered.size, m_shard, k)
-    padded = dataclasses.replace(pregathered, gathered=jax.vmap(pad)(rows).reshape(-1, k))
-  out, gathered = all_gather_matmul(pad(x), w, pregathered=padded,
-                                    return_gathered=return_gathered, **kwargs)
+    padded = dataclasses.replace(pregathered, gathered=gemm_core.pad_row_blocks(
+        pregathered.gathered, pregathered.size, m_shard, m_pad))
+  out, gathered = all_gather_matmul(gemm_core.pad_row_blocks(x, 1, m_shard, m_pad), w,
+                                    pregathered=padded, return_gathered=return_gathered,
+                                    **kwargs)
+  unpad = lambda a: gemm_core.unpad_row_blocks(a, a.shape[0] // m_pad, m_shard, m_pad)
   if pregathered is not None:
     return unpad(out), pregathered.gathered
   return unpad(out), None if gathered is None else unpad(gathered)
@@ -425,12 +441,15 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   m_shard, k = x.shape
   n = w.shape[0] if w_transposed else w.shape[1]
   tiles = config.tiles
-  if config.whole_rows and tiles.cta_m != d * m_shard:
+  if config.whole_rows and not whole_rows_in_place(m_shard, d, tiles):
     return _with_padded_rows(x, w, tiles.cta_m // d, axis_name=axis_name, config=config,
                              num_sms=num_sms, return_gathered=return_gathered,
                              w_transposed=w_transposed, pregathered=pregathered,
                              interpret=interpret)
   whole = config.whole_rows
+  # Rows of one device's block in the receive buffer: whole_rows tiles span
+  # D blocks of cta_m / D rows, each device's rows at a block's start.
+  block_rows = tiles.cta_m // d if whole else m_shard
   # A row chunk: rows of one device that are signalled as a unit, and the
   # rows of a tile but with whole_rows (one chunk per device, all in a tile).
   chunk_rows = m_shard if whole else tiles.cta_m
@@ -545,7 +564,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       """whole_rows: the tile of every gathered row and column tile n_idx."""
       cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
       b_cols = w_ref.at[cols] if w_transposed else w_ref.at[:, cols]
-      out_tile = out_ref.at[:, cols]
+      # Each block's first M_shard rows are the device's; the rest never stored.
+      out_tile = (out_ref.at[:, cols] if block_rows == m_shard else
+                  [gemm_core.TileStore(out_ref.at[pl.ds(j * m_shard, m_shard), cols],
+                                       rows=(j * block_rows, m_shard)) for j in range(d)])
       if not remote:  # one device's rows, or the pre-gathered ones
         with jax.named_scope("tile"):
           core(scratch, x_ref if exchange else gathered_ref, b_cols, out_tile, **order)
@@ -696,7 +718,7 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           chunk, kp, rows, cols = piece(j)
           slot = lax.rem(j, 2)
           plgpu.barrier_wait(loaded.at[slot])
-          dst = pl.ds(me * m_shard + rows.start, chunk_rows)
+          dst = pl.ds(me * block_rows + rows.start, chunk_rows)
           for peer in peers:
             plgpu.copy_smem_to_gmem(stages.at[slot],
                                     plgpu.remote_ref(gathered_ref, peer).at[dst, cols])
@@ -759,15 +781,17 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
 
   out_struct = jax.ShapeDtypeStruct((d * m_shard, n), x.dtype)
   if exchange:
-    gathered_struct = jax.ShapeDtypeStruct((d * m_shard, k), x.dtype)
+    gathered_struct = jax.ShapeDtypeStruct((d * block_rows, k), x.dtype)
     out, gathered = gemm_core.launch(body, name=KERNEL_NAME,
                                      out_type=(out_struct, gathered_struct), num_sms=grid,
                                      interpret=interpret, skip_device_barrier=meet)(x, w)
     axes = vma.varying_axes(x, w, axis_name=axis_name)
     if not return_gathered:
       return vma.mark_varying(out, axes), None
+    gathered = gemm_core.unpad_row_blocks(gathered, d, m_shard, block_rows)
     return vma.mark_varying((out, gathered), axes)
+  blocks = gemm_core.pad_row_blocks(pregathered.gathered, d, m_shard, block_rows)
   out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_struct, num_sms=grid,
-                         interpret=interpret)(x, w, pregathered.gathered)
+                         interpret=interpret)(x, w, blocks)
   axes = vma.varying_axes(x, w, pregathered.gathered)
   return vma.mark_varying(out, axes), pregathered.gathered

@@ -177,6 +177,23 @@ def whole_rows_tiles(span: int | None, n: int, dtype) -> GemmTiles | None:
   return tiles
 
 
+def pad_row_blocks(a, blocks: int, rows: int, block_rows: int):
+  """a [blocks * rows, C] -> [blocks * block_rows, C]: each block of `rows`
+  rows followed by zero rows (whole_rows tiles span D blocks of a fixed
+  size)."""
+  if block_rows == rows:
+    return a
+  a = a.reshape(blocks, rows, a.shape[-1])
+  return jnp.pad(a, ((0, 0), (0, block_rows - rows), (0, 0))).reshape(blocks * block_rows, -1)
+
+
+def unpad_row_blocks(a, blocks: int, rows: int, block_rows: int):
+  """The inverse of `pad_row_blocks`: each block's first `rows` rows."""
+  if block_rows == rows:
+    return a
+  return a.reshape(blocks, block_rows, a.shape[-1])[:, :rows].reshape(blocks * rows, -1)
+
+
 def default_strip(m_chunks: int) -> int:
   """The most row chunks, up to STRIP_CHUNKS, that divide m_chunks."""
   return max(c for c in range(1, STRIP_CHUNKS + 1) if m_chunks % c == 0)

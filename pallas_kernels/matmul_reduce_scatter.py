@@ -227,7 +227,21 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   K_shard 2048. XLA's BSP path was as fast or faster at every such shape
   (0.95-0.99x at K_shard >= 4096 on H100), so `auto` takes BSP there; this
   serves impl="pallas".
+
+  At D = 2 every design takes `entry` (the devices meet inside the kernel,
+  not at XLA's barrier before the launch): side by side on 2 H200s (RS v14)
+  2-4 µs less per call at each shape measured, from 16 rows per device
+  (whole_rows: 31.0 against 34.8 µs) to 4096 (631 against 635).
   """
+  config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
+  if axis_size in _ENTRY_DEFAULT_AXIS_SIZES:
+    return dataclasses.replace(config, entry=True)
+  return config
+
+
+def _default_design(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
+                    num_sms: int) -> MatmulReduceScatterConfig:
+  """`default_config`'s tiles and design, before `entry`."""
   whole = whole_rows_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   if (whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
       and k_shard >= _WHOLE_MIN_K_SHARD
@@ -316,6 +330,10 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
 
 
+# The axis sizes at which `default_config` takes `entry`: measured faster
+# than XLA's barrier at D = 2 (RS v14, 2 H200s); at D = 4 only RS v5's
+# earlier handshake was timed (slower, 4x H100).
+_ENTRY_DEFAULT_AXIS_SIZES = (2,)
 # The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
 # (drip + add_all, plain, whole_rows), the 2 x 2 multi-process job's checks
 # at D = 2 (session 31); at D = 1 the kernel has no peers to meet.
@@ -535,13 +553,13 @@ def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   return peers_in
 
 
-def _pad_blocks(x, d: int, rows: int, padded: int):
-  """x [d * rows, K] -> [d * padded, K]: each device's row block padded with
-  zero rows."""
-  if padded == rows:
-    return x
-  blocks = x.reshape(d, rows, x.shape[1])
-  return jnp.pad(blocks, ((0, 0), (0, padded - rows), (0, 0))).reshape(d * padded, -1)
+def whole_rows_block_rows(rows: int, config: MatmulReduceScatterConfig, axis_size: int) -> int:
+  """whole_rows: the rows of each device's block in the tile and in the
+  output: the `rows` per device as they lie in x where they are a multiple
+  of 8 (the stores' row granule; TMA zero-fills the tile's rows past them:
+  no padding copy around the kernel, RS v14), else padded to the tile's
+  share."""
+  return rows if rows % 8 == 0 else config.padded_rows(rows, axis_size)
 
 
 def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterConfig,
@@ -578,7 +596,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   rows = m // d
   tiles = config.tiles
   padded = config.padded_rows(rows)
-  x = _pad_blocks(x, d, rows, padded)
+  x = gemm_core.pad_row_blocks(x, d, rows, padded)
   m_chunks = padded // tiles.cta_m
   n_tiles = n // tiles.cta_n
   per_step = m_chunks * n_tiles
@@ -820,8 +838,10 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   """`matmul_reduce_scatter` with whole_rows tiles (experimental).
 
   Work item i is column tile i % n_tiles over K split i // n_tiles, all D
-  row blocks at once. Its row block j goes to device j by a float32 TMA
-  reduce-add into j's output ([padded rows, N] float32), which the last
+  row blocks at once (each device's rows as they lie in x where they are a
+  multiple of 8, the tile's rows past them zero-filled by TMA; else padded
+  to the tile's share). Its row block j goes to device j by a float32 TMA
+  reduce-add into j's output ([rows, N] float32), which the last
   `_zeroers` blocks of j zeroed before announcing it (`ready`) to every
   device; a block waits for every owner's announcement before its first
   epilogue. Each compute warpgroup announces its half of an item to the
@@ -838,8 +858,8 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   n = w.shape[0] if w_transposed else w.shape[1]
   rows = m // d
   tiles, splits = config.tiles, config.k_splits
-  padded = config.padded_rows(rows, d)
-  x = _pad_blocks(x, d, rows, padded)
+  block_rows = whole_rows_block_rows(rows, config, d)
+  x = gemm_core.pad_row_blocks(x, d, rows, block_rows)
   k_split = k // splits
   n_tiles = n // tiles.cta_n
   items = n_tiles * splits
@@ -863,7 +883,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       """Where item `item`'s row blocks go."""
       split, n_idx = item // n_tiles, item % n_tiles
       cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
-      block = lambda j: (j * padded, padded)
+      block = lambda j: (j * block_rows, block_rows)
       if not exchange:
         return [gemm_core.TileStore(out_ref.at[split, j].at[:, cols], rows=block(j))
                 for j in range(d)]
@@ -904,7 +924,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       smem = scratch["out_smem"].at[wg, 0]
       smem[...] = jnp.zeros(smem.shape, jnp.float32)
       plgpu.commit_smem()
-      zeros = smem.at[pl.ds(0, padded)]
+      zeros = smem.at[pl.ds(0, block_rows)]
 
       @pl.loop(2 * (sm - (grid - zeroers)) + wg, n // epi_n, step=2 * zeroers)
       def _(c):
@@ -928,7 +948,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       _await_peer_halves(landed, 2 * (d - 1) * items, sm, wg)
     gemm_core.final_wait()
 
-  shape = (padded, n) if exchange else (splits, d, padded, n)
+  shape = (block_rows, n) if exchange else (splits, d, block_rows, n)
   out = gemm_core.launch(body, name=KERNEL_NAME,
                          out_type=jax.ShapeDtypeStruct(shape, jnp.float32), num_sms=grid,
                          interpret=interpret, skip_device_barrier=meet)(x, w)

@@ -498,8 +498,10 @@ def _whole_config(m_shard: int, n_shard: int, d: int,
 # D = 2, 128 / 256 at D = 4); 8 and 20, padded (to 32 at D = 2; to 16 and 32
 # at D = 4); 64 column tiles of 128, 112 of 256 (at D = 2), and a K of 3
 # pieces.
+# Gathered rows read in place (AG v28: D x M_shard a multiple of 8), 4 rows
+# per device among them, and padded around the kernel (3 rows per device).
 WHOLE_SHAPES = [(32, 2048, 8192), (64, 4096, 28672), (32, 768, 1024), (8, 2048, 8192),
-                (20, 768, 1024)]
+                (20, 768, 1024), (4, 2048, 8192), (3, 768, 1024)]
 
 
 @TIMEOUT

@@ -698,9 +698,10 @@ def test_transposed_w_lowers_for_cuda(d, shape, send):
 
 # whole_rows: (D, M_shard, K, num_sms): every tile spans the D x M_shard
 # gathered rows; 64 rows (warpgroups side by side on 64-column halves), 128
-# (side by side, 128 rows each) and 256 (stacked); 20 and 8 rows per device
-# padded to 32 and 16 (64 gathered rows); N = 256 gives 2 column tiles of
-# 128; num_sms 1 (one block runs both) and 3 (clamped to 2).
+# (side by side, 128 rows each) and 256 (stacked); 8 and 24 rows per device
+# in blocks of 16 and 32 of the receive buffer, 20 and 2 padded around the
+# kernel (AG v28); N = 256 gives 2 column tiles of 128; num_sms 1 (one block
+# runs both), 2 and 3 (clamped to 2).
 WHOLE_CASES = [
     (2, 32, 128, 1),
     (2, 64, 192, 3),
@@ -708,6 +709,8 @@ WHOLE_CASES = [
     (1, 64, 192, 1),
     (2, 20, 128, 3),
     (4, 8, 192, 1),
+    (4, 2, 192, 3),
+    (2, 24, 128, 2),
 ]
 
 
@@ -807,6 +810,26 @@ def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, return_gathered):
       sds((d * m, k), jax.P("x")), sds(w_shape, w_spec)).mlir_module()
   assert "red.release.sys" in module and "red.release.gpu" in module
   assert "wait_group" in module and "push" in module
+  # No padding copies (AG v28); the gathered x comes out of the receive
+  # buffer's blocks by a slice where they hold more rows than the devices'.
+  assert "stablehlo.pad" not in module
+  assert ("stablehlo.slice" in module) == (return_gathered and d * m < config.tiles.cta_m)
+
+
+@pytest.mark.parametrize("d,m,in_place", [(2, 16, True), (4, 8, True), (2, 24, True),
+                                          (2, 32, True), (2, 20, False), (4, 2, False),
+                                          (2, 100, False)])
+def test_whole_rows_pads_only_where_the_tiles_cannot_take_the_rows_in_place(d, m, in_place):
+  """AG v28: each device's rows go into a block of the receive buffer and
+  come out of the tile's block by row-range stores, no padding copies
+  around the kernel, where they are a multiple of 8 and the warpgroups sit
+  side by side (or fill the tile); else (20 and 2 rows per device; 200 rows
+  in stacked 256-row tiles) each device's rows are padded around it."""
+  config = agm.default_config(m, 2048, 8192, BF16, axis_size=d, num_sms=132)
+  assert config.whole_rows
+  assert agm.whole_rows_in_place(m, d, config.tiles) == in_place
+  module = _out_only_module(config, d, (m, 2048, 8192))
+  assert ("stablehlo.pad" in module) == (not in_place)
 
 
 def test_whole_rows_is_experimental_where_not_run_on_gpus():

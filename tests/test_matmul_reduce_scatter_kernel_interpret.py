@@ -177,11 +177,24 @@ def test_default_config_strips_only_past_two_waves():
 def test_default_config_takes_the_measured_design(d, m, design):
   """The design by D and waves (RS v6): past one wave drip, with add_all at
   D >= 3; in one wave plain; each is its `VARIANTS` entry on the base
-  tiles."""
+  tiles, with the in-kernel handshake instead of XLA's barrier at D = 2
+  only (RS v14)."""
   rows, k_shard, n = m // d, 4096 // d, 4096
   config = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
   base = rs.base_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
-  assert config == rs.VARIANTS[design](base)
+  assert config == dataclasses.replace(rs.VARIANTS[design](base), entry=d == 2)
+  assert rs.experimental_reason(config, axis_size=d) is None
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_default_whole_rows_config_meets_inside_the_kernel_at_d2_only(d):
+  """whole_rows too takes `entry` at D = 2 (RS v14): the launch skips XLA's
+  barrier, and the handshake's single spin is in the kernel."""
+  rows, k_shard, n = 16, 4096, 8192
+  config = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
+  assert config.whole_rows and config.entry == (d == 2)
+  module = _cuda_module(config, d * rows, k_shard, n, d)
+  assert ("skip_device_barrier = true" in module) == (d == 2)
 
 
 # --- the exchange lowers for CUDA ---------------------------------------------
@@ -216,7 +229,8 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   D = 1..4 and 8 (the interpreter cannot run them), peers' TMA descriptors
   included: their device ids must be recomputable on the host. With peers,
   tiles are announced by release-ordered adds and the waits are followed by
-  the async-proxy fence; at D = 1 there is neither."""
+  the async-proxy fence; at D = 1 there is neither. At D = 2 the devices
+  meet inside the kernel (RS v14), elsewhere at XLA's barrier before it."""
   m, k, n = shape
   config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
   assert rs.unsupported_reason(m // d, k, n, BF16, config, axis_size=d) is None
@@ -231,7 +245,7 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   assert f"{rs.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert ("red.release.sys" in module) == (d > 1)
   assert ("fence.proxy.async.global" in module) == (d > 1)
-  assert "skip_device_barrier = true" not in module  # XLA's barrier precedes the launch
+  assert ("skip_device_barrier = true" in module) == (d == 2)
 
 
 @pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (512, 4096, 7168))],
@@ -509,15 +523,17 @@ def test_interleave_needs_add_all_and_the_first_announce_lag(change, words):
 # --- whole_rows: every owner's row block in one tile, K split -------------------------
 
 # (D, index, rows per device, K_shard, k_splits, tile_n, num_sms): 2 and 4
-# devices; 64- and 128-row tiles (32 / 16 rows per device, and 20 and 6 padded
-# to them); 1-3 K splits; 1 or 2 column tiles (CTA 128 or 256 columns over
-# N = 256); num_sms 1 (one block does every item), uneven, and more than the
-# items.
+# devices; 64- and 128-row tiles (32 / 16 rows per device; 8 and 24 in place,
+# the tile's rows past them zero-filled; 20 and 6 padded to the tile's share);
+# 1-3 K splits; 1 or 2 column tiles (CTA 128 or 256 columns over N = 256);
+# num_sms 1 (one block does every item), uneven, and more than the items.
 WHOLE_CASES = [
     (2, 0, 32, 128, 1, 64, 1),
     (2, 1, 20, 192, 3, 64, 4),
     (4, 3, 16, 256, 2, 128, 132),
     (4, 0, 6, 128, 2, 64, 3),
+    (4, 1, 8, 192, 3, 64, 3),
+    (2, 0, 24, 128, 1, 128, 2),
 ]
 
 
@@ -629,11 +645,13 @@ def test_whole_rows_misconfigurations_are_rejected(change, rows, d, words):
   assert words in rs.unsupported_reason(rows, 4096, 8192, BF16, config, axis_size=d)
 
 
-@pytest.mark.parametrize("d,rows,transposed", [(2, 16, False), (4, 8, False), (2, 32, True)])
+@pytest.mark.parametrize("d,rows,transposed", [(2, 16, False), (4, 8, False), (2, 32, True),
+                                              (2, 12, False)])
 def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed):
   """The zeroing and `ready` announcements, the float32 reduce-adds of each
   owner's rows into every device, the per-item announcements and the last
-  wait lower for CUDA, peers' TMA descriptors included."""
+  wait lower for CUDA, peers' TMA descriptors included; x's rows padded
+  around the kernel only where they are not a multiple of 8 (RS v14)."""
   m, k, n = d * rows, 2048, 8192
   config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
   mesh = jax.make_mesh((d,), ("x",))
@@ -650,6 +668,7 @@ def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed):
   for scope in ("zero", "ready", "wait_ready", "signal", "wait_peers"):
     assert scope in module, scope
   assert "red.release.sys" in module and "fence.proxy.async.global" in module
+  assert ("stablehlo.pad" in module) == (rows % 8 != 0)
 
 
 def test_a_tile_store_of_rows_needs_the_warpgroups_side_by_side():
