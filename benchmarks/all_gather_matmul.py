@@ -18,7 +18,9 @@ Cases:
             into peers at once (AG v24 in benchmarks/NOTES.md: slower);
             pallas_primed (opt-in): `fused_config` with `primed` (AG v25);
             pallas_one_fence (opt-in): `fused_config` with `one_fence` (AG
-            v27).
+            v27);
+            pallas_entry (opt-in): `fused_config` with the devices meeting
+            inside the kernel instead of at XLA's barrier (`entry`).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
             windowed_einsum: a global-view jitted dot that XLA's partitioner
             turns into its collective matmul (own process, GPU only).
@@ -108,12 +110,11 @@ def _pallas_forwarding(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.O
   return _pallas_config(mesh, inputs, dataclasses.replace(config, **changes))
 
 
-def _pallas_one_fence(shape: shapes.AllGatherMatmulShape, mesh,
-                      inputs: cases.Operands) -> runner.Built:
-  """`fused_config` with its announcements behind one fence (AG v27)."""
+def _pallas_changed(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
+                    **changes) -> runner.Built:
+  """`fused_config` with `changes` (e.g. one_fence, AG v27; entry)."""
   cases.require_hopper("our kernel")
-  return _pallas_config(mesh, inputs,
-                        dataclasses.replace(fused_config(shape, mesh), one_fence=True))
+  return _pallas_config(mesh, inputs, dataclasses.replace(fused_config(shape, mesh), **changes))
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
@@ -175,8 +176,9 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
         for f in FORWARDER_CAPS),
       runner.Case("pallas_primed", "ours", functools.partial(
           _pallas_forwarding, shape, mesh, inputs, primed=True), opt_in=True),
-      runner.Case("pallas_one_fence", "ours", functools.partial(
-          _pallas_one_fence, shape, mesh, inputs), opt_in=True),
+      *(runner.Case(f"pallas_{change}", "ours", functools.partial(
+          _pallas_changed, shape, mesh, inputs, **{change: True}), opt_in=True)
+        for change in ("one_fence", "entry")),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -207,7 +209,7 @@ OP = runner.OpSpec(
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
                 "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "pallas_primed",
-                "pallas_one_fence",
+                "pallas_one_fence", "pallas_entry",
                 "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )

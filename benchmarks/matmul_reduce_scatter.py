@@ -15,6 +15,9 @@ Cases:
             the next K loop, with and without add_all);
             pallas_whole_rows, pallas_whole_rows_one_fence (opt-in): the
             whole_rows design wherever it fits, without and with one_fence;
+            pallas_entry, pallas_barrier (opt-in): the default config with
+            the devices meeting inside the kernel, or at XLA's barrier
+            before the launch (one of the two is the default: RS v14);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -113,6 +116,17 @@ def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Conte
                  dataclasses.replace(config, **changes))
 
 
+def _pallas_handshake(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
+                      entry: bool) -> runner.Built:
+  """`default_config` with `entry` set as given (opt-in: the two ways the
+  devices meet, side by side)."""
+  cases.require_hopper("our kernel")
+  config = rs_kernel.default_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
+                                    axis_size=ctx.mesh.size, num_sms=platform.num_sms())
+  return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
+                 dataclasses.replace(config, entry=entry))
+
+
 def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
   """The exchange alone: each device's bf16 [M, N] partial, reduce-scattered."""
   partials = spmd.random_normal(jax.random.key(1), (mesh.size * shape.m, shape.n), DTYPE,
@@ -140,6 +154,9 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
                   opt_in=True),
       runner.Case("pallas_whole_rows_one_fence", "ours", functools.partial(
           _pallas_whole_rows, shape, ctx, one_fence=True), opt_in=True),
+      *(runner.Case(name, "ours", functools.partial(_pallas_handshake, shape, ctx, entry),
+                    opt_in=True)
+        for name, entry in (("pallas_entry", True), ("pallas_barrier", False))),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -167,7 +184,7 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                "pallas_whole_rows_one_fence", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+                "pallas_whole_rows_one_fence", "pallas_entry", "pallas_barrier", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":
