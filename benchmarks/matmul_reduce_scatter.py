@@ -13,8 +13,10 @@ Cases:
             (`rs_kernel.VARIANTS`: plain, the output zeroed first and every
             partial reduce-added, peer tiles sent a granule at a time during
             the next K loop, with and without add_all);
-            pallas_whole_rows, pallas_whole_rows_one_fence (opt-in): the
-            whole_rows design wherever it fits, without and with one_fence;
+            pallas_whole_rows, pallas_whole_rows_one_fence,
+            pallas_whole_rows_narrow_partials (opt-in): the whole_rows design wherever
+            it fits (with the default's handshake), as it is, with one_fence,
+            and with narrow_partials;
             pallas_entry, pallas_barrier (opt-in): the default config with
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);
@@ -106,14 +108,17 @@ def _pallas_variant(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
 def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
                        **changes) -> runner.Built:
   """The whole_rows design (decode-size rows) wherever it fits, whatever
-  `default_config` takes (opt-in: to compare the two designs), with `changes`."""
+  `default_config` takes (opt-in: to compare the two designs), meeting the
+  peers as the default does, with `changes`."""
   cases.require_hopper("our kernel")
-  config = rs_kernel.whole_rows_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
-                                       axis_size=ctx.mesh.size, num_sms=platform.num_sms())
+  problem = (shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE)
+  sizes = dict(axis_size=ctx.mesh.size, num_sms=platform.num_sms())
+  config = rs_kernel.whole_rows_config(*problem, **sizes)
   if config is None:
     raise runner.Skip("whole_rows needs the D row blocks in 128 rows.")
+  entry = rs_kernel.default_config(*problem, **sizes).entry
   return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
-                 dataclasses.replace(config, **changes))
+                 dataclasses.replace(config, entry=entry, **changes))
 
 
 def _pallas_handshake(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
@@ -152,8 +157,9 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
         for v in rs_kernel.VARIANTS),
       runner.Case("pallas_whole_rows", "ours", functools.partial(_pallas_whole_rows, shape, ctx),
                   opt_in=True),
-      runner.Case("pallas_whole_rows_one_fence", "ours", functools.partial(
-          _pallas_whole_rows, shape, ctx, one_fence=True), opt_in=True),
+      *(runner.Case(f"pallas_whole_rows_{change}", "ours", functools.partial(
+          _pallas_whole_rows, shape, ctx, **{change: True}), opt_in=True)
+        for change in ("one_fence", "narrow_partials")),
       *(runner.Case(name, "ours", functools.partial(_pallas_handshake, shape, ctx, entry),
                     opt_in=True)
         for name, entry in (("pallas_entry", True), ("pallas_barrier", False))),
@@ -184,7 +190,9 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                "pallas_whole_rows_one_fence", "pallas_entry", "pallas_barrier", "user_bsp", "gemm_alone", "reduce_scatter_alone"),
+                "pallas_whole_rows_one_fence", "pallas_whole_rows_narrow_partials",
+                "pallas_entry", "pallas_barrier", "user_bsp", "gemm_alone",
+                "reduce_scatter_alone"),
 )
 
 if __name__ == "__main__":

@@ -161,8 +161,16 @@ class MatmulReduceScatterConfig:
       instead of one release per device: each release waited ~5 kcyc in the
       decode kernel at D = 4 (its v21), and a zeroer's announcement to D
       devices took ~17 kcyc (RS v7) while every block's first epilogue
-      waits for it. Experimental (RS v13): lowering-tested, not yet run on
-      GPUs.
+      waits for it. Experimental (RS v13): level at D = 2 on 2 H200s (one
+      peer); not yet measured at D = 4.
+    narrow_partials: with whole_rows, every partial is reduce-added in x's
+      dtype into an output of x's dtype (zeroed first; each TMA add rounds
+      once, so the sum depends on the D x k_splits adds' arrival order, as
+      add_all's does), instead of in float32 into a float32 output that an
+      XLA convert turns into x's dtype after the kernel (3.5 µs of the ~31
+      at 16 rows per device on 2 H200s, RS v14): half the bytes into the
+      peers and no kernel after. Experimental (RS v15): CPU-tested, not
+      yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -174,6 +182,7 @@ class MatmulReduceScatterConfig:
   entry: bool = False
   interleave: bool = False
   one_fence: bool = False
+  narrow_partials: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -359,8 +368,11 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
     return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
             " GPUs (benchmarks/NOTES.md, RS v12).")
   if config.one_fence:
-    return ("config.one_fence is experimental: lowering-tested on CPU, not yet run on GPUs"
-            " (benchmarks/NOTES.md, RS v13).")
+    return ("config.one_fence is experimental: level with the default at D = 2, not yet"
+            " measured at D = 4 (benchmarks/NOTES.md, RS v13).")
+  if config.narrow_partials:
+    return ("config.narrow_partials is experimental: interpreter- and lowering-tested, not yet"
+            " run on GPUs (benchmarks/NOTES.md, RS v15).")
   return None
 
 
@@ -428,8 +440,10 @@ def _whole_rows_reason(rows: int, k_shard: int, n: int, itemsize: int,
   if config.k_splits < 1 or k_shard % (config.k_splits * t.tile_k):
     return (f"config.k_splits = {config.k_splits} must split K_shard = {k_shard} into whole K"
             f" steps of {t.tile_k}.")
-  # The epilogue stages float32 granules: twice a 16-bit output's.
-  f32_epilogue = 2 * t.epi_slots * t.epi_tile_m * t.epi_tile_n * (4 - itemsize)
+  # The epilogue stages float32 granules (but with narrow_partials): twice
+  # a 16-bit output's.
+  f32_epilogue = (0 if config.narrow_partials
+                  else 2 * t.epi_slots * t.epi_tile_m * t.epi_tile_n * (4 - itemsize))
   if t.smem_bytes(itemsize) + f32_epilogue > gemm_core.SMEM_BYTES:
     return (f"the tiles with a float32 epilogue need {t.smem_bytes(itemsize) + f32_epilogue}"
             f" bytes of shared memory, more than {gemm_core.SMEM_BYTES}.")
@@ -446,6 +460,9 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
     return f"config must be a MatmulReduceScatterConfig, got {type(config).__name__}."
   if config.whole_rows:
     return _whole_rows_reason(rows, k_shard, n, jnp.dtype(dtype).itemsize, config, axis_size)
+  if config.narrow_partials:
+    return ("config.narrow_partials applies to whole_rows; the other designs exchange the"
+            " partials in x's dtype already.")
   t = config.tiles
   if config.announce_lag not in (1, 2) or (config.announce_lag == 2 and not config.drip):
     return f"config.announce_lag must be 1, or 2 with drip; got {config.announce_lag}."
@@ -841,7 +858,8 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   row blocks at once (each device's rows as they lie in x where they are a
   multiple of 8, the tile's rows past them zero-filled by TMA; else padded
   to the tile's share). Its row block j goes to device j by a float32 TMA
-  reduce-add into j's output ([rows, N] float32), which the last
+  reduce-add (in x's dtype with narrow_partials) into j's output ([rows, N]
+  float32, converted after the kernel; x's dtype), which the last
   `_zeroers` blocks of j zeroed before announcing it (`ready`) to every
   device; a block waits for every owner's announcement before its first
   epilogue. Each compute warpgroup announces its half of an item to the
@@ -863,7 +881,8 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   k_split = k // splits
   n_tiles = n // tiles.cta_n
   items = n_tiles * splits
-  core = gemm_core.TileMatmul(tiles, k_split, x.dtype, jnp.float32, transpose_b=w_transposed)
+  partial_dtype = x.dtype if config.narrow_partials else jnp.dtype(jnp.float32)
+  core = gemm_core.TileMatmul(tiles, k_split, x.dtype, partial_dtype, transpose_b=w_transposed)
   remote = exchange and d > 1
   grid = min(num_sms, items)
   zeroers = min(_ZEROERS, grid)
@@ -922,7 +941,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
       """A zeroer block's compute warpgroup: its columns of this device's
       output, then the announcement to every device."""
       smem = scratch["out_smem"].at[wg, 0]
-      smem[...] = jnp.zeros(smem.shape, jnp.float32)
+      smem[...] = jnp.zeros(smem.shape, partial_dtype)
       plgpu.commit_smem()
       zeros = smem.at[pl.ds(0, block_rows)]
 
@@ -950,9 +969,9 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
 
   shape = (block_rows, n) if exchange else (splits, d, block_rows, n)
   out = gemm_core.launch(body, name=KERNEL_NAME,
-                         out_type=jax.ShapeDtypeStruct(shape, jnp.float32), num_sms=grid,
+                         out_type=jax.ShapeDtypeStruct(shape, partial_dtype), num_sms=grid,
                          interpret=interpret, skip_device_barrier=meet)(x, w)
   if not exchange:
-    out = out.sum(axis=0)
+    out = out.sum(axis=0, dtype=partial_dtype)
   out = out[..., :rows, :].astype(x.dtype)
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))

@@ -13,6 +13,7 @@ tests/test_matmul_reduce_scatter_gpu.py.
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -547,12 +548,14 @@ def _whole_config(d: int, rows: int, k: int, splits: int, tile_n: int):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("d,index,rows,k,splits,tile_n,num_sms", WHOLE_CASES,
                          ids=lambda v: str(v))
-def test_whole_rows_partials_match_float64(d, index, rows, k, splits, tile_n, num_sms,
+@pytest.mark.parametrize("narrow", [False, True], ids=["f32_partials", "narrow_partials"])
+def test_whole_rows_partials_match_float64(d, index, rows, k, splits, tile_n, num_sms, narrow,
                                            interpreter):
   """Each item's K split of all D row blocks, each block into its owner's
   slot (rows split between granules and owners, `TileStore.rows`), the
-  splits summed: every owner's partial against float64."""
-  config = _whole_config(d, rows, k, splits, tile_n)
+  splits summed (in float32, or in x's dtype with narrow_partials, RS v15):
+  every owner's partial against float64."""
+  config = dataclasses.replace(_whole_config(d, rows, k, splits, tile_n), narrow_partials=narrow)
   assert rs.unsupported_reason(rows, k, N, BF16, config, axis_size=d) is None
   rng = testkit.rng("rs whole", d, rows, k, splits)
   x = rng.standard_normal((d * rows, k)).astype(BF16)
@@ -563,7 +566,8 @@ def test_whole_rows_partials_match_float64(d, index, rows, k, splits, tile_n, nu
                                    interpret=interpreter())
     assert out.shape == (d, rows, N) and out.dtype == BF16
     for owner in range(d):
-      testkit.assert_matmul_close(out[owner], x[owner * rows:(owner + 1) * rows], w, BF16)
+      testkit.assert_matmul_close(out[owner], x[owner * rows:(owner + 1) * rows], w, BF16,
+                                  partial_sums=splits if narrow else 1)
 
 
 @pytest.mark.parametrize("d,rows,k,n,splits", [
@@ -638,6 +642,7 @@ def test_whole_rows_config_needs_the_row_blocks_in_128_rows():
     ({}, 40, 2, "row blocks of 40 rows or more"),
     ({}, 32, 3, "D = 3 row blocks"),
     ({}, 32, 1, "2 or more devices"),
+    (dict(whole_rows=False, k_splits=1, narrow_partials=True), 32, 2, "applies to whole_rows"),
 ])
 def test_whole_rows_misconfigurations_are_rejected(change, rows, d, words):
   config = dataclasses.replace(
@@ -645,15 +650,20 @@ def test_whole_rows_misconfigurations_are_rejected(change, rows, d, words):
   assert words in rs.unsupported_reason(rows, 4096, 8192, BF16, config, axis_size=d)
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["f32_partials", "narrow_partials"])
 @pytest.mark.parametrize("d,rows,transposed", [(2, 16, False), (4, 8, False), (2, 32, True),
                                               (2, 12, False)])
-def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed):
+def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed, narrow):
   """The zeroing and `ready` announcements, the float32 reduce-adds of each
   owner's rows into every device, the per-item announcements and the last
   wait lower for CUDA, peers' TMA descriptors included; x's rows padded
-  around the kernel only where they are not a multiple of 8 (RS v14)."""
+  around the kernel only where they are not a multiple of 8 (RS v14); with
+  narrow_partials (RS v15) the adds are in x's dtype, and no convert
+  follows the kernel."""
   m, k, n = d * rows, 2048, 8192
-  config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+  config = dataclasses.replace(rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132),
+                               narrow_partials=narrow)
+  assert ("narrow_partials" in (rs.experimental_reason(config, axis_size=d) or "")) == narrow
   mesh = jax.make_mesh((d,), ("x",))
   body = lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132,
                                                w_transposed=transposed)
@@ -669,6 +679,8 @@ def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed):
     assert scope in module, scope
   assert "red.release.sys" in module and "fence.proxy.async.global" in module
   assert ("stablehlo.pad" in module) == (rows % 8 != 0)
+  converts_f32 = re.search(r"stablehlo\.convert [^\n]*f32>\) -> tensor<[^\n]*bf16>", module)
+  assert bool(converts_f32) == (not narrow)
 
 
 def test_a_tile_store_of_rows_needs_the_warpgroups_side_by_side():

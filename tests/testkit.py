@@ -92,11 +92,16 @@ def matmul_case_id(case) -> str:
 _UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
-def assert_matmul_close(out, gathered, w, dtype) -> None:
+def assert_matmul_close(out, gathered, w, dtype, *, partial_sums: int = 1) -> None:
   """out == gathered @ w up to what a float32-accumulated, `dtype`-rounded
   matmul may differ from the exact (float64) product, per element:
 
     |out - ref| <= 2 * (u * |ref| + K * 2^-24 * (|gathered| @ |w|)) + 2^-24
+
+  With `partial_sums` = P > 1 the output is P partial products (K ranges)
+  each rounded to `dtype` and added in `dtype` (every rounding within u of
+  a sum of |products|), so the bound's u * |ref| becomes
+  2 P u * (|gathered| @ |w|).
 
   u * |ref| is the output's final rounding (u = unit roundoff of dtype),
   K * 2^-24 * (|g| @ |w|) bounds float32 summation of K exact products, the
@@ -113,7 +118,9 @@ def assert_matmul_close(out, gathered, w, dtype) -> None:
       f" at rows {sorted(set(np.nonzero(~np.isfinite(out64))[0].tolist()))[:8]}...")
   u = _UNIT_ROUNDOFF[np.dtype(dtype).name]
   k = g64.shape[1]
-  bound = 2 * (u * np.abs(ref) + k * 2.0**-24 * (np.abs(g64) @ np.abs(w64))) + 2.0**-24
+  magnitude = np.abs(g64) @ np.abs(w64)
+  rounding = u * np.abs(ref) if partial_sums == 1 else 2 * partial_sums * u * magnitude
+  bound = 2 * (rounding + k * 2.0**-24 * magnitude) + 2.0**-24
   err = np.abs(out64 - ref)
   bad = err > bound
   if np.any(bad):
