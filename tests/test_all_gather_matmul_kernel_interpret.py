@@ -816,6 +816,19 @@ def test_whole_rows_exchange_lowers_for_cuda(d, m, transposed, return_gathered):
   assert ("stablehlo.slice" in module) == (return_gathered and d * m < config.tiles.cta_m)
 
 
+def test_row_blocks_pad_with_zero_rows_and_unpad_back():
+  """`gemm_core.pad_row_blocks`: each of the blocks' rows followed by zero
+  rows up to block_rows; `unpad_row_blocks` takes them back out."""
+  a = np.arange(3 * 5 * 4, dtype=np.float32).reshape(3 * 5, 4)
+  padded = np.asarray(gemm_core.pad_row_blocks(a, 3, 5, 8))
+  assert padded.shape == (3 * 8, 4)
+  for b in range(3):
+    np.testing.assert_array_equal(padded[b * 8:b * 8 + 5], a[b * 5:(b + 1) * 5])
+    assert not padded[b * 8 + 5:(b + 1) * 8].any()
+  np.testing.assert_array_equal(np.asarray(gemm_core.unpad_row_blocks(padded, 3, 5, 8)), a)
+  assert gemm_core.pad_row_blocks(a, 3, 5, 5) is a  # nothing to pad
+
+
 @pytest.mark.parametrize("d,m,in_place", [(2, 16, True), (4, 8, True), (2, 24, True),
                                           (2, 32, True), (2, 20, False), (4, 2, False),
                                           (2, 100, False)])
