@@ -71,9 +71,11 @@ output is complete on exit.
 
 Designs measured and dropped (benchmarks/NOTES.md, RS v2-v5): the tile
 staged whole in shared memory under one store (`drip` was faster at every
-measured shape), sender blocks forwarding partials staged in HBM (a gain at
-D = 2 only, below `drip`), and an in-kernel handshake instead of XLA's
-barrier (slower everywhere).
+measured shape), and sender blocks forwarding partials staged in HBM (a gain
+at D = 2 only, below `drip`). RS v5's in-kernel handshake (the porter after
+block 0's first K loop) was slower everywhere on 4 H100s; `config.entry`'s,
+run at the start (RS v10), is 2-4 µs faster than XLA's barrier at D = 2 on
+2 H200s and the default there (RS v14).
 
 Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
 zeroing, which the zeroer blocks do before their first tile); later peer tiles wait
@@ -82,9 +84,10 @@ interleave for nothing; block 0's last wait comes after its own announcements); 
 block issues its pending signal before anything it waits for, and every
 block of the persistent grid (one per SM, at most the SM count) is resident
 at once. Every signal and every store into a device is awaited by that device
-before it exits, so nothing outlives the call; XLA zeroes the semaphores and
-runs a cross-device barrier before each launch, so calls are safe back to
-back.
+before it exits, so nothing outlives the call; XLA zeroes the semaphores
+before each launch and runs a cross-device barrier (or, with `config.entry`,
+the devices meet inside the kernel before any write into a peer:
+`pallas_kernels.entry`), so calls are safe back to back.
 
 Exchange seam: with `Standalone`, the kernel computes the partials of device
 `index` of `size` on one device with the same schedule and tile placement,
@@ -152,9 +155,11 @@ class MatmulReduceScatterConfig:
       handshake, run by block 0's first warpgroup at the start; every
       warpgroup waits for it before its first write into a peer: a zeroer
       before announcing `ready`, a tile after its first K loop) instead of
-      at the barrier XLA runs before each launch. For multi-process jobs
-      (see `AllGatherMatmulConfig.entry`); in one process it was no faster
-      (RS v5). Experimental: lowering-tested, not yet run on GPUs.
+      at the barrier XLA runs before each launch. The default at D = 2
+      (`default_config`: 2-4 µs less per call on 2 H200s, RS v14) and in
+      multi-process jobs (`jax_overlap.dispatch.for_this_job`; see
+      `AllGatherMatmulConfig.entry`); GPU-tested at D = 2 and 4,
+      experimental at other D.
     one_fence: an announcement to every device (a zeroer's `ready` with
       add_all or whole_rows; a whole_rows item's `landed` to the peers) is
       one system-scope fence and relaxed adds (`signals.signal_each`)
@@ -852,14 +857,14 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
 def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: int,
                 w_transposed: bool, standalone: Standalone | None, interpret):
-  """`matmul_reduce_scatter` with whole_rows tiles (experimental).
+  """`matmul_reduce_scatter` with whole_rows tiles.
 
   Work item i is column tile i % n_tiles over K split i // n_tiles, all D
   row blocks at once (each device's rows as they lie in x where they are a
   multiple of 8, the tile's rows past them zero-filled by TMA; else padded
-  to the tile's share). Its row block j goes to device j by a float32 TMA
-  reduce-add (in x's dtype with narrow_partials) into j's output ([rows, N]
-  float32, converted after the kernel; x's dtype), which the last
+  to the tile's share). Its row block j goes to device j by a TMA
+  reduce-add into j's output, [rows, N] in float32 (converted to x's dtype
+  after the kernel), or in x's dtype with narrow_partials, which the last
   `_zeroers` blocks of j zeroed before announcing it (`ready`) to every
   device; a block waits for every owner's announcement before its first
   epilogue. Each compute warpgroup announces its half of an item to the
