@@ -14,9 +14,9 @@ Cases:
             partial reduce-added, peer tiles sent a granule at a time during
             the next K loop, with and without add_all);
             pallas_whole_rows, pallas_whole_rows_one_fence,
-            pallas_whole_rows_narrow_partials (opt-in): the whole_rows design wherever
-            it fits (with the default's handshake), as it is, with one_fence,
-            and with narrow_partials;
+            pallas_whole_rows_narrow_partials (opt-in): the whole_rows design
+            wherever it fits (with the default's handshake), as it is, with
+            one_fence, and with narrow_partials;
             pallas_entry, pallas_barrier (opt-in): the default config with
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);
@@ -111,14 +111,19 @@ def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Conte
   `default_config` takes (opt-in: to compare the two designs), meeting the
   peers as the default does, with `changes`."""
   cases.require_hopper("our kernel")
-  problem = (shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE)
-  sizes = dict(axis_size=ctx.mesh.size, num_sms=platform.num_sms())
-  config = rs_kernel.whole_rows_config(*problem, **sizes)
+  config = rs_kernel.whole_rows_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
+                                       axis_size=ctx.mesh.size, num_sms=platform.num_sms())
   if config is None:
     raise runner.Skip("whole_rows needs the D row blocks in 128 rows.")
-  entry = rs_kernel.default_config(*problem, **sizes).entry
+  entry = _default_config(shape, ctx).entry
   return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
                  dataclasses.replace(config, entry=entry, **changes))
+
+
+def _default_config(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context):
+  """The kernel's default config for the shape on this mesh (one process)."""
+  return rs_kernel.default_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
+                                  axis_size=ctx.mesh.size, num_sms=platform.num_sms())
 
 
 def _pallas_handshake(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
@@ -126,10 +131,8 @@ def _pallas_handshake(shape: shapes.MatmulReduceScatterShape, ctx: runner.Contex
   """`default_config` with `entry` set as given (opt-in: the two ways the
   devices meet, side by side)."""
   cases.require_hopper("our kernel")
-  config = rs_kernel.default_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
-                                    axis_size=ctx.mesh.size, num_sms=platform.num_sms())
   return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
-                 dataclasses.replace(config, entry=entry))
+                 dataclasses.replace(_default_config(shape, ctx), entry=entry))
 
 
 def _reduce_scatter_alone(shape: shapes.MatmulReduceScatterShape, mesh) -> runner.Built:
