@@ -17,8 +17,9 @@ Cases:
             (`forwarders`; "forward" and "ring" sends), fewer SMs storing
             into peers at once (AG v24 in benchmarks/NOTES.md: slower);
             pallas_primed (opt-in): `fused_config` with `primed` (AG v25);
-            pallas_one_fence (opt-in): `fused_config` with `one_fence` (AG
-            v27);
+            pallas_prefetch<KiB> (opt-in, KiB in PREFETCH_KIB): whole_rows
+            `fused_config` with each block's first KiB of w prefetched into
+            L2 while the rows arrive (`prefetch_steps`, AG v29);
             pallas_entry (opt-in): `fused_config` with the devices meeting
             inside the kernel instead of at XLA's barrier (`entry`).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
@@ -85,6 +86,9 @@ def fused_config(shape: shapes.AllGatherMatmulShape, mesh):
 SEND_DESIGNS = (*((send, False) for send in ag_kernel.SENDS), ("forward", True), ("ring", True))
 # pallas_fwd<F>: forwarding tiles per row chunk.
 FORWARDER_CAPS = (1, 2, 4)
+# pallas_prefetch<KiB>: w prefetched into L2 per block (H200: ~36 GB/s of HBM
+# per SM, so 192 KiB is ~5 µs of the rows' wait).
+PREFETCH_KIB = (96, 192, 384)
 
 
 def _pallas_config(mesh, inputs: cases.Operands, config) -> runner.Built:
@@ -112,9 +116,23 @@ def _pallas_forwarding(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.O
 
 def _pallas_changed(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
                     **changes) -> runner.Built:
-  """`fused_config` with `changes` (e.g. one_fence, AG v27; entry)."""
+  """`fused_config` with `changes` (e.g. entry)."""
   cases.require_hopper("our kernel")
   return _pallas_config(mesh, inputs, dataclasses.replace(fused_config(shape, mesh), **changes))
+
+
+def _pallas_prefetch(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
+                     kib: int) -> runner.Built:
+  """`fused_config` (whole_rows) with the first `kib` KiB of each block's
+  first tile of w prefetched into L2 (`prefetch_steps`, AG v29)."""
+  cases.require_hopper("our kernel")
+  config = fused_config(shape, mesh)
+  if not config.whole_rows:
+    raise runner.Skip("prefetch_steps applies to whole_rows configs.")
+  t = config.tiles
+  step_bytes = t.tile_k * t.cta_n * jnp.dtype(DTYPE).itemsize
+  steps = min(shape.k // t.tile_k, max(1, kib * 1024 // step_bytes))
+  return _pallas_config(mesh, inputs, dataclasses.replace(config, prefetch_steps=steps))
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
@@ -176,9 +194,11 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
         for f in FORWARDER_CAPS),
       runner.Case("pallas_primed", "ours", functools.partial(
           _pallas_forwarding, shape, mesh, inputs, primed=True), opt_in=True),
-      *(runner.Case(f"pallas_{change}", "ours", functools.partial(
-          _pallas_changed, shape, mesh, inputs, **{change: True}), opt_in=True)
-        for change in ("one_fence", "entry")),
+      runner.Case("pallas_entry", "ours", functools.partial(
+          _pallas_changed, shape, mesh, inputs, entry=True), opt_in=True),
+      *(runner.Case(f"pallas_prefetch{kib}", "ours", functools.partial(
+          _pallas_prefetch, shape, mesh, inputs, kib), opt_in=True)
+        for kib in PREFETCH_KIB),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -209,7 +229,7 @@ OP = runner.OpSpec(
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
                 "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "pallas_primed",
-                "pallas_one_fence", "pallas_entry",
+                "pallas_entry", *(f"pallas_prefetch{kib}" for kib in PREFETCH_KIB),
                 "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )

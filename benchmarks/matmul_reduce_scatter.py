@@ -13,10 +13,10 @@ Cases:
             (`rs_kernel.VARIANTS`: plain, the output zeroed first and every
             partial reduce-added, peer tiles sent a granule at a time during
             the next K loop, with and without add_all);
-            pallas_whole_rows, pallas_whole_rows_one_fence,
-            pallas_whole_rows_narrow_partials (opt-in): the whole_rows design
-            wherever it fits (with the default's handshake), as it is, with
-            one_fence, and with narrow_partials;
+            pallas_whole_rows, pallas_whole_rows_<change> (opt-in): the
+            whole_rows design wherever it fits (with the default's
+            handshake), as it is and with each of `WHOLE_ROWS_CHANGES`
+            (one_fence, narrow_partials, both, XLA's barrier);
             pallas_entry, pallas_barrier (opt-in): the default config with
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);
@@ -115,9 +115,19 @@ def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Conte
                                        axis_size=ctx.mesh.size, num_sms=platform.num_sms())
   if config is None:
     raise runner.Skip("whole_rows needs the D row blocks in 128 rows.")
-  entry = _default_config(shape, ctx).entry
+  changes = {"entry": _default_config(shape, ctx).entry, **changes}
   return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w),
-                 dataclasses.replace(config, entry=entry, **changes))
+                 dataclasses.replace(config, **changes))
+
+
+# The whole_rows cases beside `pallas_whole_rows` (opt-in), by name suffix:
+# config changes to time side by side with it.
+WHOLE_ROWS_CHANGES = {
+    "one_fence": dict(one_fence=True),
+    "narrow_partials": dict(narrow_partials=True),
+    "one_fence_narrow_partials": dict(one_fence=True, narrow_partials=True),
+    "barrier": dict(entry=False),
+}
 
 
 def _default_config(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context):
@@ -160,9 +170,9 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
         for v in rs_kernel.VARIANTS),
       runner.Case("pallas_whole_rows", "ours", functools.partial(_pallas_whole_rows, shape, ctx),
                   opt_in=True),
-      *(runner.Case(f"pallas_whole_rows_{change}", "ours", functools.partial(
-          _pallas_whole_rows, shape, ctx, **{change: True}), opt_in=True)
-        for change in ("one_fence", "narrow_partials")),
+      *(runner.Case(f"pallas_whole_rows_{name}", "ours", functools.partial(
+          _pallas_whole_rows, shape, ctx, **changes), opt_in=True)
+        for name, changes in WHOLE_ROWS_CHANGES.items()),
       *(runner.Case(name, "ours", functools.partial(_pallas_handshake, shape, ctx, entry),
                     opt_in=True)
         for name, entry in (("pallas_entry", True), ("pallas_barrier", False))),
@@ -193,8 +203,7 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                "pallas_whole_rows_one_fence", "pallas_whole_rows_narrow_partials",
-                "pallas_entry", "pallas_barrier", "user_bsp", "gemm_alone",
+                *(f"pallas_whole_rows_{name}" for name in WHOLE_ROWS_CHANGES), "pallas_entry", "pallas_barrier", "user_bsp", "gemm_alone",
                 "reduce_scatter_alone"),
 )
 

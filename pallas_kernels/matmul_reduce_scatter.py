@@ -242,10 +242,14 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   (0.95-0.99x at K_shard >= 4096 on H100), so `auto` takes BSP there; this
   serves impl="pallas".
 
-  At D = 2 every design takes `entry` (the devices meet inside the kernel,
-  not at XLA's barrier before the launch): side by side on 2 H200s (RS v14)
-  2-4 µs less per call at each shape measured, from 16 rows per device
-  (whole_rows: 31.0 against 34.8 µs) to 4096 (631 against 635).
+  At D = 2 and 4 every design takes `entry` (the devices meet inside the
+  kernel, not at XLA's barrier before the launch): side by side on 2 H200s
+  (RS v14) 2-4 µs less per call at each shape measured, from 16 rows per
+  device (whole_rows: 31.0 against 34.8 µs) to 4096 (631 against 635); on 4
+  H200s (RS v16) 112.4 against 115.0 µs at 2048 x 4096 x 4096, 660.2 against
+  663.2 at 8192 x 4096 x 7168, 60.0 against 63.2 at 256 x 4096 x 7168, and
+  57.5 against 55.0 at 32 x 7168 x 8192 (whole_rows, within the rounds'
+  spread of 54-72; `auto` takes BSP there).
   """
   config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   if axis_size in _ENTRY_DEFAULT_AXIS_SIZES:
@@ -345,9 +349,9 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
 
 
 # The axis sizes at which `default_config` takes `entry`: measured faster
-# than XLA's barrier at D = 2 (RS v14, 2 H200s); at D = 4 only RS v5's
-# earlier handshake was timed (slower, 4x H100).
-_ENTRY_DEFAULT_AXIS_SIZES = (2,)
+# than XLA's barrier at D = 2 (RS v14, 2 H200s) and D = 4 (RS v16, 4 H200s;
+# RS v5's earlier handshake was slower there on 4 H100s).
+_ENTRY_DEFAULT_AXIS_SIZES = (2, 4)
 # The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
 # (drip + add_all, plain, whole_rows), the 2 x 2 multi-process job's checks
 # at D = 2 (session 31); at D = 1 the kernel has no peers to meet.

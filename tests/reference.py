@@ -65,9 +65,14 @@ UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 def reduce_scatter_bound(ref, abs_sum, d: int, dtype, k_total: int) -> np.ndarray:
   """Per-element error bound of a sum of D float32-accumulated partials
-  p_j that are rounded to `dtype` and added in it (D - 1 rounded adds), as
-  the fused matmul + reduce-scatter and the bf16 BSP exchange both do:
-  2u (sum_j |p_j| + (D - 1) |ref|) + K_total 2^-22 rms(ref).
+  p_j that are rounded to `dtype` and added in it in any order (D - 1
+  rounded adds), as the fused matmul + reduce-scatter and the bf16 BSP
+  exchange both do: 2u (sum_j |p_j| + (D - 1) s) + K_total 2^-22 rms(ref),
+  where s = (sum_j |p_j| + |ref|) / 2 bounds every running sum (a sum of
+  some of the p_j is at most the sum of the positive ones or of the
+  negative ones' magnitudes; with cancelling partials a running sum can
+  exceed |ref| many times: 4 H200s, RS v15, where |ref| in its place was
+  exceeded at 1-4 elements of 131072).
 
   Args:
     ref: the exact sum, sum_j p_j (float32 or float64), any shape.
@@ -82,7 +87,8 @@ def reduce_scatter_bound(ref, abs_sum, d: int, dtype, k_total: int) -> np.ndarra
   ref, abs_sum = np.asarray(ref, np.float64), np.asarray(abs_sum, np.float64)
   rms = math.sqrt(float(np.mean(np.square(ref)))) if ref.size else 0.0
   u = UNIT_ROUNDOFF[np.dtype(dtype).name]
-  return 2 * u * (abs_sum + (d - 1) * np.abs(ref)) + k_total * 2.0**-22 * rms
+  running = (abs_sum + np.abs(ref)) / 2
+  return 2 * u * (abs_sum + (d - 1) * running) + k_total * 2.0**-22 * rms
 
 
 def rtol(dtype) -> float:

@@ -181,10 +181,9 @@ def _check_gathered(gathered: jax.Array, x_host: np.ndarray, what: str = "gather
 
 # The send designs forced by the tests: each of kernel.SENDS, and the streamed
 # forwards ("+stream": per-group waits, experimental).
-# "+fwdN": N forwarding tiles per row chunk (`forwarders`); "+primed": `primed`;
-# "+one_fence": `one_fence`.
+# "+fwdN": N forwarding tiles per row chunk (`forwarders`); "+primed": `primed`.
 SEND_DESIGNS = [*kernel.SENDS, "forward+stream", "ring+stream", "forward+fwd1", "ring+fwd2",
-                "forward+primed", "ring+primed", "forward+one_fence", "push+one_fence"]
+                "forward+primed", "ring+primed"]
 
 
 def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulConfig:
@@ -197,8 +196,7 @@ def _config(m_shard, k, n_shard, dtype, d, send=None) -> kernel.AllGatherMatmulC
   send, _, option = send.partition("+")
   forwarders = int(option.removeprefix("fwd")) if option.startswith("fwd") else None
   return dataclasses.replace(config, send=send, stream=option == "stream",
-                             forwarders=forwarders, primed=option == "primed",
-                             one_fence=option == "one_fence")
+                             forwarders=forwarders, primed=option == "primed")
 
 
 def _per_shard_fn(mesh, *, return_gathered=False, config=None):
@@ -486,12 +484,13 @@ def test_two_calls_and_a_psum_back_to_back_in_one_jit(send):
 
 
 def _whole_config(m_shard: int, n_shard: int, d: int,
-                  one_fence: bool = False) -> kernel.AllGatherMatmulConfig:
+                  prefetch_steps: int = 0) -> kernel.AllGatherMatmulConfig:
   """whole_rows tiles over the D x M_shard gathered rows (64, 128 or 256)."""
   tiles = gemm_core.whole_rows_tiles(gemm_core.whole_rows_span(m_shard, d), n_shard, BF16)
   if tiles is None:
     pytest.skip(f"no whole_rows tiles for {d} x {m_shard} gathered rows")
-  return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True, one_fence=one_fence)
+  return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True,
+                                      prefetch_steps=prefetch_steps)
 
 
 # (M_shard, K, N_shard): 32 and 64 rows per device (64 / 128 gathered rows at
@@ -505,19 +504,21 @@ WHOLE_SHAPES = [(32, 2048, 8192), (64, 4096, 28672), (32, 768, 1024), (8, 2048, 
 
 
 @TIMEOUT
-@pytest.mark.parametrize("one_fence", [False, True], ids=["", "one_fence"])
+@pytest.mark.parametrize("prefetch", [
+    False, pytest.param(True, marks=pytest.mark.experimental)], ids=["", "prefetch"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_transposed"])
 @pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=_shape_id)
-def test_whole_rows_matches_float32_reference(shape, transposed, one_fence):
-  """Tiles over every gathered row (w read once), with the pushed pieces
-  announced behind one fence or not: every device's output and gathered x,
-  both w layouts, three calls on new data each, unblocked."""
+def test_whole_rows_matches_float32_reference(shape, transposed, prefetch):
+  """Tiles over every gathered row (w read once), with w's first 12 K steps
+  (all of K = 768) prefetched into L2 or not: every device's output and
+  gathered x, both w layouts, three calls on new data each, unblocked."""
   mesh = _mesh_1d()
   d = mesh.shape[AXIS]
   m_shard, k, n_shard = shape
   w_spec = P(AXIS, None) if transposed else P(None, AXIS)
   op = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl="pallas",
-                         config=_whole_config(m_shard, n_shard, d, one_fence),
+                         config=_whole_config(m_shard, n_shard, d,
+                                              min(k // 64, 12) if prefetch else 0),
                          return_gathered=True, w_transposed=transposed)
   f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(AXIS, None), w_spec),
                             out_specs=(P(None, AXIS), P(AXIS, None))))

@@ -380,14 +380,15 @@ def test_the_matmul_kernels_meet_inside_the_kernel_in_multi_process_jobs(op, mon
   """In a multi-process job the matmul kernels' default config skips XLA's
   barrier for the in-kernel handshake (`entry`: the barrier across processes
   cost ~1 ms per call), not experimental at D = 2 and 4; in one process, and
-  with the caller's own config, nothing changes."""
+  with the caller's own config, nothing changes (the reduce-scatter at D = 8:
+  in one process it takes `entry` at D = 2 and 4 already)."""
   module = importlib.import_module(f"jax_overlap.{op}")
   kernel = importlib.import_module(f"pallas_kernels.{op}")
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   monkeypatch.setattr(platform, "device_kind", lambda: _H100)
   bind = ((lambda config: module._bind(S(1024, 4096), S(4096, 4096), 4, config, False))
           if op == "all_gather_matmul" else
-          (lambda config: module._bind(S(4096, 1024), S(1024, 4096), 4, False, config, False)))
+          (lambda config: module._bind(S(4096, 1024), S(1024, 4096), 8, False, config, False)))
   alone = module._kernel_config(bind(None))
   assert not alone.entry
   monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -417,7 +418,7 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
   monkeypatch.setattr(platform, "device_kind", lambda: _H100)
   problem = (module._bind(S(1024, 4096), S(4096, 4096), 4, None, False)
              if op == "all_gather_matmul" else
-             module._bind(S(4096, 1024), S(1024, 4096), 4, False, None, False))
+             module._bind(S(4096, 1024), S(1024, 4096), 8, False, None, False))
   assert not module._kernel_config(problem).entry
   with dispatch.meet_inside_kernels():
     assert module._kernel_config(problem).entry

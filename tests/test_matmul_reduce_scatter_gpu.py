@@ -11,10 +11,11 @@ w_j) and summed: ref = sum_j p_j. Every element of every device's output is
 checked.
 
 Tolerance, per element: the kernel rounds each partial to the output dtype and
-adds them in it (D - 1 rounded adds), so |out - ref| <= 2u (sum_j |p_j| +
-(D - 1) |ref|) + K_total 2^-22 rms(ref) with u the dtype's unit roundoff. A
-missing or stale partial, a tile added twice or a wrong row block is off by
-about rms(p_j), many times the bound.
+adds them in it in any order (D - 1 rounded adds), so |out - ref| <= 2u
+(sum_j |p_j| + (D - 1) s) + K_total 2^-22 rms(ref), with u the dtype's unit
+roundoff and s = (sum_j |p_j| + |ref|) / 2 a bound of every running sum
+(`reference.reduce_scatter_bound`). A missing or stale partial, a tile added
+twice or a wrong row block is off by about rms(p_j), several times the bound.
 """
 
 import dataclasses
@@ -70,26 +71,28 @@ def _operands(mesh, m, k_shard, n, dtype, *tag, x_spec=X_SPEC, w_spec=W_SPEC):
           make(jax.random.fold_in(key, 1), (d * k_shard, n), 1 / math.sqrt(d * k_shard), w_spec))
 
 
-def _partials(mesh, x, w) -> np.ndarray:
-  """[D, M, N] float32: each device's x_j @ w_j, on the GPUs at HIGHEST."""
-  dot = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
-                             precision=lax.Precision.HIGHEST)[None]
+def _partials(mesh, x, w, splits: int = 1) -> np.ndarray:
+  """[D * splits, M, N] float32: each device's x_j @ w_j, on the GPUs at
+  HIGHEST, over `splits` equal K ranges of its shard (the partials that a
+  whole_rows kernel with k_splits = splits rounds one by one)."""
+  def dot(x, w):
+    x = x.astype(jnp.float32).reshape(x.shape[0], splits, -1)
+    w = w.astype(jnp.float32).reshape(splits, -1, w.shape[1])
+    return jnp.einsum("msk,skn->smn", x, w, precision=lax.Precision.HIGHEST)
   f = jax.jit(jax.shard_map(dot, mesh=mesh, in_specs=(X_SPEC, W_SPEC),
                             out_specs=P(AXIS, None, None)))
   return np.asarray(f(x, w))
 
 
-def _check(out: jax.Array, partials: np.ndarray, dtype, what: str, k_total: int,
-           rounded_partials: int | None = None) -> None:
+def _check(out: jax.Array, partials: np.ndarray, dtype, what: str, k_total: int) -> None:
   """Every element of every device's rows of `out` against sum(partials),
-  within the error of `rounded_partials` (default D) partials rounded to
-  `dtype` and added in it."""
-  d, m, n = partials.shape
+  within the error of the P partials rounded to `dtype` and added in it."""
+  num, m, n = partials.shape
   dtype = jnp.dtype(dtype)
   assert out.shape == (m, n) and out.dtype == dtype, (what, out.shape, out.dtype)
   ref = partials.sum(axis=0)
-  bound = reference.reduce_scatter_bound(ref, np.abs(partials).sum(axis=0),
-                                         rounded_partials or d, dtype, k_total)
+  bound = reference.reduce_scatter_bound(ref, np.abs(partials).sum(axis=0), num, dtype,
+                                         k_total)
   failures = []
   for shard in out.addressable_shards:
     rows = shard.index[0]
@@ -200,7 +203,6 @@ def test_whole_rows_over_poisoned_memory(shape, transposed, option):
   config = dataclasses.replace(kernel.whole_rows_config(m // d, k_shard, n, BF16, axis_size=d,
                                                         num_sms=platform.num_sms()),
                                **({option: True} if option else {}))
-  rounded = d * config.k_splits if config.narrow_partials else None
   assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config, axis_size=d) is None
   w_spec = P(None, AXIS) if transposed else W_SPEC
   op = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas",
@@ -212,10 +214,11 @@ def test_whole_rows_over_poisoned_memory(shape, transposed, option):
   with jax.set_mesh(mesh):
     for i in range(3):
       x, w = _operands(mesh, m, k_shard, n, BF16, "whole", shape, transposed, i)
-      expected = _partials(mesh, x, w)
+      # With narrow_partials each of the D x k_splits partials is rounded.
+      expected = _partials(mesh, x, w, config.k_splits if config.narrow_partials else 1)
       poison().block_until_ready()
       _check(f(x, flip(w) if transposed else w), expected, BF16, f"whole_rows call {i}",
-             x.shape[1], rounded)
+             x.shape[1])
 
 
 def test_scan_over_50_layers():

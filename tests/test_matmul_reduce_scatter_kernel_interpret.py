@@ -179,23 +179,24 @@ def test_default_config_takes_the_measured_design(d, m, design):
   """The design by D and waves (RS v6): past one wave drip, with add_all at
   D >= 3; in one wave plain; each is its `VARIANTS` entry on the base
   tiles, with the in-kernel handshake instead of XLA's barrier at D = 2
-  only (RS v14)."""
+  (RS v14) and D = 4 (RS v16)."""
   rows, k_shard, n = m // d, 4096 // d, 4096
   config = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
   base = rs.base_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
-  assert config == dataclasses.replace(rs.VARIANTS[design](base), entry=d == 2)
+  assert config == dataclasses.replace(rs.VARIANTS[design](base), entry=d in (2, 4))
   assert rs.experimental_reason(config, axis_size=d) is None
 
 
-@pytest.mark.parametrize("d", [2, 4])
-def test_default_whole_rows_config_meets_inside_the_kernel_at_d2_only(d):
-  """whole_rows too takes `entry` at D = 2 (RS v14): the launch skips XLA's
-  barrier, and the handshake's single spin is in the kernel."""
-  rows, k_shard, n = 16, 4096, 8192
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_default_whole_rows_config_meets_inside_the_kernel_at_d2_and_d4(d):
+  """whole_rows too takes `entry` at D = 2 (RS v14) and 4 (RS v16): the
+  launch skips XLA's barrier, and the handshake's single spin is in the
+  kernel; at D = 8 (not measured) XLA's barrier stays."""
+  rows, k_shard, n = 64 // d, 4096, 8192
   config = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
-  assert config.whole_rows and config.entry == (d == 2)
+  assert config.whole_rows and config.entry == (d in (2, 4))
   module = _cuda_module(config, d * rows, k_shard, n, d)
-  assert ("skip_device_barrier = true" in module) == (d == 2)
+  assert ("skip_device_barrier = true" in module) == (d in (2, 4))
 
 
 # --- the exchange lowers for CUDA ---------------------------------------------
@@ -230,8 +231,9 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   D = 1..4 and 8 (the interpreter cannot run them), peers' TMA descriptors
   included: their device ids must be recomputable on the host. With peers,
   tiles are announced by release-ordered adds and the waits are followed by
-  the async-proxy fence; at D = 1 there is neither. At D = 2 the devices
-  meet inside the kernel (RS v14), elsewhere at XLA's barrier before it."""
+  the async-proxy fence; at D = 1 there is neither. At D = 2 and 4 the
+  devices meet inside the kernel (RS v14, v16), elsewhere at XLA's barrier
+  before it."""
   m, k, n = shape
   config = rs.default_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
   assert rs.unsupported_reason(m // d, k, n, BF16, config, axis_size=d) is None
@@ -246,7 +248,7 @@ def test_exchange_lowers_for_cuda_inside_shard_map(d, shape):
   assert f"{rs.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert ("red.release.sys" in module) == (d > 1)
   assert ("fence.proxy.async.global" in module) == (d > 1)
-  assert ("skip_device_barrier = true" in module) == (d == 2)
+  assert ("skip_device_barrier = true" in module) == (d in (2, 4))
 
 
 @pytest.mark.parametrize("d,shape", [(2, (2048, 4096, 4096)), (4, (512, 4096, 7168))],
