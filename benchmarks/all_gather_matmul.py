@@ -17,9 +17,6 @@ Cases:
             (`forwarders`; "forward" and "ring" sends), fewer SMs storing
             into peers at once (AG v24 in benchmarks/NOTES.md: slower);
             pallas_primed (opt-in): `fused_config` with `primed` (AG v25);
-            pallas_prefetch<KiB> (opt-in, KiB in PREFETCH_KIB): whole_rows
-            `fused_config` with each block's first KiB of w prefetched into
-            L2 while the rows arrive (`prefetch_steps`, AG v29);
             pallas_entry (opt-in): `fused_config` with the devices meeting
             inside the kernel instead of at XLA's barrier (`entry`).
   baseline  user_bsp: lax.all_gather then jnp.dot, bf16 out.
@@ -86,9 +83,6 @@ def fused_config(shape: shapes.AllGatherMatmulShape, mesh):
 SEND_DESIGNS = (*((send, False) for send in ag_kernel.SENDS), ("forward", True), ("ring", True))
 # pallas_fwd<F>: forwarding tiles per row chunk.
 FORWARDER_CAPS = (1, 2, 4)
-# pallas_prefetch<KiB>: w prefetched into L2 per block (H200: ~36 GB/s of HBM
-# per SM, so 192 KiB is ~5 µs of the rows' wait).
-PREFETCH_KIB = (96, 192, 384)
 
 
 def _pallas_config(mesh, inputs: cases.Operands, config) -> runner.Built:
@@ -119,20 +113,6 @@ def _pallas_changed(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Oper
   """`fused_config` with `changes` (e.g. entry)."""
   cases.require_hopper("our kernel")
   return _pallas_config(mesh, inputs, dataclasses.replace(fused_config(shape, mesh), **changes))
-
-
-def _pallas_prefetch(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
-                     kib: int) -> runner.Built:
-  """`fused_config` (whole_rows) with the first `kib` KiB of each block's
-  first tile of w prefetched into L2 (`prefetch_steps`, AG v29)."""
-  cases.require_hopper("our kernel")
-  config = fused_config(shape, mesh)
-  if not config.whole_rows:
-    raise runner.Skip("prefetch_steps applies to whole_rows configs.")
-  t = config.tiles
-  step_bytes = t.tile_k * t.cta_n * jnp.dtype(DTYPE).itemsize
-  steps = min(shape.k // t.tile_k, max(1, kib * 1024 // step_bytes))
-  return _pallas_config(mesh, inputs, dataclasses.replace(config, prefetch_steps=steps))
 
 
 def reference(inputs: cases.Operands, mesh) -> jax.Array:
@@ -196,9 +176,6 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
           _pallas_forwarding, shape, mesh, inputs, primed=True), opt_in=True),
       runner.Case("pallas_entry", "ours", functools.partial(
           _pallas_changed, shape, mesh, inputs, entry=True), opt_in=True),
-      *(runner.Case(f"pallas_prefetch{kib}", "ours", functools.partial(
-          _pallas_prefetch, shape, mesh, inputs, kib), opt_in=True)
-        for kib in PREFETCH_KIB),
       runner.Case("user_bsp", "baseline", lambda: shard_mapped(_user_bsp)),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
       jax_collective_matmul.case(shape, ctx, ((X_SPEC, W_SPEC), OUT_SPEC)),
@@ -229,7 +206,7 @@ OP = runner.OpSpec(
     # within a few percent of it, the two GEMM floors and the gather alone.
     contenders=("pallas", "pallas_forward", "pallas_ring", "pallas_push", "pallas_forward_stream",
                 "pallas_ring_stream", *(f"pallas_fwd{f}" for f in FORWARDER_CAPS), "pallas_primed",
-                "pallas_entry", *(f"pallas_prefetch{kib}" for kib in PREFETCH_KIB),
+                "pallas_entry",
                 "user_bsp",
                 jax_collective_matmul.NAME, "gemm_alone", "pallas_core", "all_gather_alone"),
 )

@@ -16,7 +16,7 @@ Cases:
             pallas_whole_rows, pallas_whole_rows_<change> (opt-in): the
             whole_rows design wherever it fits (with the default's
             handshake), as it is and with each of `WHOLE_ROWS_CHANGES`
-            (one_fence, narrow_partials, both, XLA's barrier);
+            (float32 partials, a release per device, both, XLA's barrier);
             pallas_entry, pallas_barrier (opt-in): the default config with
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);
@@ -121,11 +121,12 @@ def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Conte
 
 
 # The whole_rows cases beside `pallas_whole_rows` (opt-in), by name suffix:
-# config changes to time side by side with it.
+# config changes to time side by side with it (each of RS v17's defaults
+# switched off, both as in RS v14, and XLA's barrier instead of `entry`).
 WHOLE_ROWS_CHANGES = {
-    "one_fence": dict(one_fence=True),
-    "narrow_partials": dict(narrow_partials=True),
-    "one_fence_narrow_partials": dict(one_fence=True, narrow_partials=True),
+    "float32_partials": dict(narrow_partials=False),
+    "per_device_releases": dict(one_fence=False),
+    "v14": dict(narrow_partials=False, one_fence=False),
     "barrier": dict(entry=False),
 }
 

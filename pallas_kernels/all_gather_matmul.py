@@ -137,9 +137,6 @@ DEFER_WAVES = 2
 # HBM rate (benchmarks/NOTES.md, decode v14).
 _WHOLE_MAX_ROWS = 256
 _WHOLE_MIN_COLS = 8192
-# A TMA box spans at most 256 elements per dimension: prefetch_steps' K rows
-# go in boxes of this many.
-_PREFETCH_BOX_K = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +214,6 @@ class AllGatherMatmulConfig:
       shapes the deferred forwards delay the peers. Experimental (AG v25):
       in-kernel the GEMM no longer stalls (gate-up at 1.01x its core's
       cycles, from 1.06x), but CUPTI times it level with the default.
-    prefetch_steps: with whole_rows, each block's memory warpgroup first
-      prefetches the first `prefetch_steps` K steps of its first tile's w
-      columns into L2 (TMA prefetches, never awaited), before the rows
-      arrive: the tiles' first loads of w then hit L2 instead of waiting for
-      HBM behind the rows (every tile waits 10-14 kcyc for them at 8-16 rows
-      per device, AG v27-v28, while HBM idles). 0: none. Experimental (AG
-      v29): interpreter- and lowering-tested, not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   send: Literal["forward", "ring", "push"] = "forward"
@@ -234,7 +224,6 @@ class AllGatherMatmulConfig:
   entry: bool = False
   forwarders: int | None = None
   primed: bool = False
-  prefetch_steps: int = 0
 
   def to_dict(self) -> dict:
     """A JSON-able form (see `from_dict`)."""
@@ -245,8 +234,7 @@ class AllGatherMatmulConfig:
     return cls(tiles=gemm_core.GemmTiles(**d["tiles"]), send=d["send"], pushers=d["pushers"],
                strip_chunks=d.get("strip_chunks"), stream=d.get("stream", False),
                whole_rows=d.get("whole_rows", False), entry=d.get("entry", False),
-               forwarders=d.get("forwarders"), primed=d.get("primed", False),
-               prefetch_steps=d.get("prefetch_steps", 0))
+               forwarders=d.get("forwarders"), primed=d.get("primed", False))
 
   def push_cols(self, k: int) -> int:
     """Columns of one pushed piece: the widest TMA box (<= 256 columns) that
@@ -331,9 +319,6 @@ def experimental_reason(config: AllGatherMatmulConfig, *, axis_size: int = 1) ->
   if config.stream and config.send != "push":
     return ("config.stream is experimental: it passes the GPU tests at D = 4 but was slower"
             " than without it at D = 2 and 4 (benchmarks/NOTES.md, AG v20).")
-  if config.prefetch_steps:
-    return ("config.prefetch_steps is experimental: interpreter- and lowering-tested, not yet"
-            " run on GPUs (benchmarks/NOTES.md, AG v29).")
   return None
 
 
@@ -356,11 +341,6 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return (f"config.primed needs send 'forward' or 'ring', no stream, and rows per device a"
             f" multiple of {_PRIMER_ROWS}; got send={config.send!r}, stream={config.stream},"
             f" {m_shard} rows.")
-  k_steps = k // config.tiles.tile_k
-  if config.prefetch_steps and not (config.whole_rows and 0 < config.prefetch_steps <= k_steps):
-    return (f"config.prefetch_steps needs whole_rows and at most the K steps ({k} / "
-            f"{config.tiles.tile_k} = {k_steps}); got prefetch_steps={config.prefetch_steps},"
-            f" whole_rows={config.whole_rows}.")
   if config.whole_rows:
     rows = axis_size * m_shard
     if config.send != "push" or config.strip_chunks is not None or config.stream:
@@ -375,14 +355,6 @@ def unsupported_reason(m_shard: int, k: int, n_shard: int, dtype,
     return config.tiles.unsupported_reason(span, k, n_shard, jnp.dtype(dtype).itemsize)
   return (config.tiles.unsupported_reason(m_shard, k, n_shard, jnp.dtype(dtype).itemsize)
           or gemm_core.strip_reason(config.strip_chunks, m_shard, config.tiles.cta_m))
-
-
-def prefetch_boxes(config: AllGatherMatmulConfig) -> list[tuple[int, int]]:
-  """(first K row, K rows) of each TMA L2 prefetch of `config.prefetch_steps`:
-  their K rows in order, at most _PREFETCH_BOX_K per box (TMA's limit)."""
-  rows = config.prefetch_steps * config.tiles.tile_k
-  return [(start, min(_PREFETCH_BOX_K, rows - start))
-          for start in range(0, rows, _PREFETCH_BOX_K)]
 
 
 def whole_rows_in_place(m_shard: int, axis_size: int, tiles: gemm_core.GemmTiles) -> bool:
@@ -502,8 +474,6 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
   steps_per_piece = push_cols // tiles.tile_k
   k_steps = k // tiles.tile_k
   stream = forward_mode and remote and config.stream
-  # whole_rows: w's first K steps into L2 while the rows arrive.
-  prefetch = whole and remote and config.prefetch_steps > 0
   # What a remote tile's memory warpgroup waits for before loading K step
   # group_bounds[i]: the group's signals, one per pushed piece (push) or per
   # forwarded K step (stream), `unit` K steps each.
@@ -702,14 +672,6 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         with jax.named_scope("remote_tile"):
           core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **passing, **order)
 
-    def prefetch_w(n_idx):
-      """whole_rows: the first `config.prefetch_steps` K steps of column tile
-      n_idx's w into L2 (`prefetch_boxes`)."""
-      cols = pl.ds(n_idx * tiles.cta_n, tiles.cta_n)
-      for start, size in prefetch_boxes(config):
-        ks = pl.ds(start, size)
-        plgpu.async_prefetch(w_ref.at[cols, ks] if w_transposed else w_ref.at[ks, cols])
-
     def push(stages, loaded):
       """Warpgroup 0 of the r-th block from the grid's end sends pieces r,
       r + pushers, ... of the shard (K-major: piece p holds row chunk
@@ -756,11 +718,6 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           # With whole_rows this device's tiles read its own rows there too.
           announce([plgpu.remote_ref(arrived.at[me, chunk, group], peer) for peer in peers],
                    local=arrived.at[me, chunk, group] if whole else None)
-
-    if prefetch:
-      first_tile = lax.axis_index("sm")
-      pl.when((wg == gemm_core.NUM_WARPGROUPS - 1) & (first_tile < n_tiles))(
-          lambda: jax.named_scope("prefetch")(prefetch_w)(first_tile))
 
     if push_mode:
       pl.run_scoped(push, plgpu.SMEM((2, chunk_rows, push_cols), x.dtype),

@@ -142,8 +142,9 @@ class MatmulReduceScatterConfig:
       device, at most 128, warpgroups side by side), so w streams from HBM
       once instead of once per owner; each tile's K range is one of
       `k_splits`, so that enough tiles stream w; every partial (each device's
-      row block of each K split) is reduce-added in float32 into its owner's
-      output, zeroed first.
+      row block of each K split) is reduce-added into its owner's output,
+      zeroed first (in x's dtype with `narrow_partials`, `whole_rows_config`'s
+      default).
     k_splits: with whole_rows, the K ranges of each column strip.
     interleave: with add_all, the own tiles spread among the peers' instead
       of last, but for a last wave of them (`interleaved_place`): the
@@ -155,8 +156,9 @@ class MatmulReduceScatterConfig:
       handshake, run by block 0's first warpgroup at the start; every
       warpgroup waits for it before its first write into a peer: a zeroer
       before announcing `ready`, a tile after its first K loop) instead of
-      at the barrier XLA runs before each launch. The default at D = 2
-      (`default_config`: 2-4 µs less per call on 2 H200s, RS v14) and in
+      at the barrier XLA runs before each launch. The default at D = 2 and 4
+      (`default_config`: 2-4 µs less per call on 2 and 4 H200s, RS v14, v16)
+      and in
       multi-process jobs (`jax_overlap.dispatch.for_this_job`; see
       `AllGatherMatmulConfig.entry`); GPU-tested at D = 2 and 4,
       experimental at other D.
@@ -166,16 +168,20 @@ class MatmulReduceScatterConfig:
       instead of one release per device: each release waited ~5 kcyc in the
       decode kernel at D = 4 (its v21), and a zeroer's announcement to D
       devices took ~17 kcyc (RS v7) while every block's first epilogue
-      waits for it. Experimental (RS v13): level at D = 2 on 2 H200s (one
-      peer); not yet measured at D = 4.
+      waits for it. `whole_rows_config`'s default: 5-12 µs less per call at
+      D = 4 on 4 H200s (RS v17: 43.3 against 54.5 µs at 32 x 4096 x 8192).
+      With drip and add_all level at D = 2 and 4 (RS v13, v16): experimental
+      there.
     narrow_partials: with whole_rows, every partial is reduce-added in x's
       dtype into an output of x's dtype (zeroed first; each TMA add rounds
       once, so the sum depends on the D x k_splits adds' arrival order, as
       add_all's does), instead of in float32 into a float32 output that an
       XLA convert turns into x's dtype after the kernel (3.5 µs of the ~31
       at 16 rows per device on 2 H200s, RS v14): half the bytes into the
-      peers and no kernel after. Experimental (RS v15): CPU-tested, not
-      yet run on GPUs.
+      peers and no kernel after. `whole_rows_config`'s default (RS v17: with
+      one_fence 3-10 µs less per call than one_fence alone at D = 4 on 4
+      H200s, 39.7 against 49.8 µs at 64 x 4096 x 8192); GPU-tested at D = 2
+      and 4, experimental at other D.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -331,8 +337,9 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   """A `whole_rows` config for `rows` per device (None if the D row blocks
   do not fit a 128-row tile): `gemm_core.whole_rows_tiles`, and the K splits
   (each a whole number of K steps) that `whole_rows_estimate_us` finds
-  fastest, the fewest of equals. GPU-tested at D = 2 and 4
-  (`experimental_reason`). RS v11, side by side on 4 H100s at 16 rows per
+  fastest, the fewest of equals; the partials announced behind one fence and
+  added in x's dtype (`one_fence`, `narrow_partials`: RS v17). GPU-tested at
+  D = 2 and 4 (`experimental_reason`). RS v11, side by side on 4 H100s at 16 rows per
   device: 8-27% faster than RS v9's fewest splits that give every SM an item
   (52.8 against 72.8 µs at K_shard 2048, N 8192; 172.7 against 188.1 at
   13312 x 16384)."""
@@ -345,7 +352,8 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   itemsize = jnp.dtype(dtype).itemsize
   splits = min(divisors, key=lambda s: (whole_rows_estimate_us(
       k_shard, n, itemsize, tiles, s, axis_size=axis_size, num_sms=num_sms), s))
-  return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits)
+  return MatmulReduceScatterConfig(tiles, whole_rows=True, k_splits=splits, one_fence=True,
+                                   narrow_partials=True)
 
 
 # The axis sizes at which `default_config` takes `entry`: measured faster
@@ -376,12 +384,13 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.interleave:
     return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
             " GPUs (benchmarks/NOTES.md, RS v12).")
-  if config.one_fence:
-    return ("config.one_fence is experimental: level with the default at D = 2, not yet"
-            " measured at D = 4 (benchmarks/NOTES.md, RS v13).")
-  if config.narrow_partials:
-    return ("config.narrow_partials is experimental: interpreter- and lowering-tested, not yet"
-            " run on GPUs (benchmarks/NOTES.md, RS v15).")
+  if config.one_fence and not config.whole_rows:
+    return ("config.one_fence without whole_rows is experimental: level with the default at"
+            " D = 2 and 4 (benchmarks/NOTES.md, RS v13, v16).")
+  if config.narrow_partials and axis_size not in _NARROW_GPU_TESTED_AXIS_SIZES:
+    return (f"config.narrow_partials has passed the GPU tests at D = 2 and 4; at D = {axis_size}"
+            " it is interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
+            " RS v15, v17).")
   return None
 
 
@@ -393,6 +402,8 @@ def experimental_variant(name: str) -> bool:
 
 # The axis sizes at which whole_rows has passed the GPU tests.
 _WHOLE_GPU_TESTED_AXIS_SIZES = (2, 4)
+# The axis sizes at which narrow_partials has passed the GPU tests (RS v17).
+_NARROW_GPU_TESTED_AXIS_SIZES = (2, 4)
 # default_config takes whole_rows for at most this many gathered rows (D x
 # the padded rows per device) with at least _WHOLE_MIN_K_SHARD: measured
 # faster than the row-block tiles there (RS v9; RS v11 at K_shard 4096: 77.2

@@ -483,14 +483,12 @@ def test_two_calls_and_a_psum_back_to_back_in_one_jit(send):
 # --- whole_rows: decode-size rows, one read of w ------------------------------------
 
 
-def _whole_config(m_shard: int, n_shard: int, d: int,
-                  prefetch_steps: int = 0) -> kernel.AllGatherMatmulConfig:
+def _whole_config(m_shard: int, n_shard: int, d: int) -> kernel.AllGatherMatmulConfig:
   """whole_rows tiles over the D x M_shard gathered rows (64, 128 or 256)."""
   tiles = gemm_core.whole_rows_tiles(gemm_core.whole_rows_span(m_shard, d), n_shard, BF16)
   if tiles is None:
     pytest.skip(f"no whole_rows tiles for {d} x {m_shard} gathered rows")
-  return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True,
-                                      prefetch_steps=prefetch_steps)
+  return kernel.AllGatherMatmulConfig(tiles, "push", whole_rows=True)
 
 
 # (M_shard, K, N_shard): 32 and 64 rows per device (64 / 128 gathered rows at
@@ -504,21 +502,17 @@ WHOLE_SHAPES = [(32, 2048, 8192), (64, 4096, 28672), (32, 768, 1024), (8, 2048, 
 
 
 @TIMEOUT
-@pytest.mark.parametrize("prefetch", [
-    False, pytest.param(True, marks=pytest.mark.experimental)], ids=["", "prefetch"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_transposed"])
 @pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=_shape_id)
-def test_whole_rows_matches_float32_reference(shape, transposed, prefetch):
-  """Tiles over every gathered row (w read once), with w's first 12 K steps
-  (all of K = 768) prefetched into L2 or not: every device's output and
+def test_whole_rows_matches_float32_reference(shape, transposed):
+  """Tiles over every gathered row (w read once): every device's output and
   gathered x, both w layouts, three calls on new data each, unblocked."""
   mesh = _mesh_1d()
   d = mesh.shape[AXIS]
   m_shard, k, n_shard = shape
   w_spec = P(AXIS, None) if transposed else P(None, AXIS)
   op = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl="pallas",
-                         config=_whole_config(m_shard, n_shard, d,
-                                              min(k // 64, 12) if prefetch else 0),
+                         config=_whole_config(m_shard, n_shard, d),
                          return_gathered=True, w_transposed=transposed)
   f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P(AXIS, None), w_spec),
                             out_specs=(P(None, AXIS), P(AXIS, None))))

@@ -652,60 +652,6 @@ def _out_only_module(config, d: int, shape) -> str:
       sds((d * m, k), jax.P("x")), sds((k, d * n), jax.P(None, "x"))).mlir_module()
 
 
-@pytest.mark.parametrize("d,m,k,n,transposed", [
-    (4, 8, 8192, 14336, False), (2, 16, 8192, 28672, False), (4, 8, 2048, 8192, True)],
-    ids=lambda v: str(v))
-def test_prefetch_steps_prefetch_w_into_l2_before_the_rows(d, m, k, n, transposed):
-  """config.prefetch_steps (whole_rows): the kernel issues TMA L2 prefetches
-  of w (its first tile's columns), in boxes of at most 256 K rows that cover
-  the steps' K rows, none without it; needs whole_rows and at most the K
-  steps; experimental."""
-  base = agm.default_config(m, k, n, BF16, axis_size=d, num_sms=132)
-  assert base.whole_rows
-  mesh = jax.make_mesh((d,), ("x",))
-  w_spec = jax.P("x") if transposed else jax.P(None, "x")
-  sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, BF16,
-                                                 sharding=jax.NamedSharding(mesh, spec))
-  for steps, boxes in ((0, []), (5, [(0, 256), (256, 64)]),
-                       (12, [(0, 256), (256, 256), (512, 256)])):
-    config = dataclasses.replace(base, prefetch_steps=steps)
-    assert agm.prefetch_boxes(config) == boxes
-    assert agm.unsupported_reason(m, k, n, BF16, config, axis_size=d) is None
-    assert ("prefetch_steps" in (agm.experimental_reason(config, axis_size=d) or "")) == (
-        steps > 0)
-    body = lambda x, w, config=config: agm.all_gather_matmul(
-        x, w, axis_name="x", config=config, num_sms=132, w_transposed=transposed)[0]
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("x"), w_spec),
-                              out_specs=jax.P(None, "x")))
-    module = jax.export.export(f, platforms=["cuda"])(
-        sds((d * m, k), jax.P("x")),
-        sds((d * n, k) if transposed else (k, d * n), w_spec)).mlir_module()
-    assert ("cp.async.bulk.prefetch.tensor.2d.L2" in module) == bool(boxes)
-  k_steps = k // base.tiles.tile_k
-  too_many = dataclasses.replace(base, prefetch_steps=k_steps + 1)
-  assert "at most the K steps" in agm.unsupported_reason(m, k, n, BF16, too_many, axis_size=d)
-  not_whole = agm.AllGatherMatmulConfig(prefetch_steps=1)
-  assert "needs whole_rows" in agm.unsupported_reason(1024, 4096, 4096, BF16, not_whole,
-                                                      axis_size=d)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("d,m_shard,k,num_sms", [(2, 32, 128, 1), (4, 8, 192, 3)],
-                         ids=lambda v: str(v))
-def test_whole_rows_with_prefetch_match_float64_reference(d, m_shard, k, num_sms, interpreter):
-  """prefetch_steps over all of K changes no result (the interpreter runs
-  the prefetches as no-ops: this checks the kernel around them)."""
-  span = gemm_core.whole_rows_span(m_shard, d)
-  tiles = dataclasses.replace(gemm_core.whole_rows_tiles(span, N, BF16), stages=2)
-  config = agm.AllGatherMatmulConfig(tiles, "push", whole_rows=True,
-                                     prefetch_steps=k // tiles.tile_k)
-  assert agm.unsupported_reason(m_shard, k, N, BF16, config, axis_size=d) is None
-  gathered, w = _inputs(d, m_shard, k, BF16, "whole-prefetch")
-  out, gathered_out = _run(interpreter(), gathered, w, d - 1, d, config, num_sms)
-  testkit.assert_matmul_close(out, gathered, w, BF16)
-  np.testing.assert_array_equal(np.asarray(gathered_out), gathered)
-
-
 @pytest.mark.parametrize("d,shape,send", [
     (2, (1024, 4096, 4096), "forward"),
     (2, (128, 8192, 7168), "push"),

@@ -184,25 +184,28 @@ def test_each_design_over_poisoned_memory(variant, shape):
 WHOLE_SHAPES = [(2 * 16, 4096, 8192), (2 * 32, 2048, 4096), (2 * 6, 1024, 2560)]
 
 
-@pytest.mark.parametrize("option", [
-    "", pytest.param("one_fence", marks=pytest.mark.experimental),
-    pytest.param("narrow_partials", marks=pytest.mark.experimental)])
+# whole_rows' options beside the default (announcements behind one fence,
+# bf16 reduce-adds into a bf16 output: RS v17): each switched back off.
+WHOLE_OPTIONS = {"": {}, "float32_partials": dict(narrow_partials=False),
+                 "per_device_releases": dict(one_fence=False)}
+
+
+@pytest.mark.parametrize("option", list(WHOLE_OPTIONS))
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w_transposed"])
 @pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_whole_rows_over_poisoned_memory(shape, transposed, option):
-  """Every owner's row block in one tile, K split, float32 reduce-adds into
-  the zeroed outputs (`kernel.whole_rows_config`); with the announcements
-  behind one fence (`one_fence`), or the adds in bf16 into a bf16 output
-  (`narrow_partials`), both experimental: every device's rows, 3 calls with
-  new data each after a NaN fill of the memory the next output takes, both
-  w layouts."""
+  """Every owner's row block in one tile, K split, reduce-adds into the
+  zeroed outputs (`kernel.whole_rows_config`: in bf16 into a bf16 output,
+  announced behind one fence), and with float32 partials or a release per
+  device instead: every device's rows, 3 calls with new data each after a
+  NaN fill of the memory the next output takes, both w layouts."""
   mesh = _mesh()
   d = mesh.shape[AXIS]
   m, k_shard, n = shape
   m = m // 2 * d
   config = dataclasses.replace(kernel.whole_rows_config(m // d, k_shard, n, BF16, axis_size=d,
                                                         num_sms=platform.num_sms()),
-                               **({option: True} if option else {}))
+                               **WHOLE_OPTIONS[option])
   assert kernel.unsupported_reason(m // d, k_shard, n, BF16, config, axis_size=d) is None
   w_spec = P(None, AXIS) if transposed else W_SPEC
   op = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas",

@@ -292,16 +292,19 @@ def test_one_fence_announces_to_every_device_behind_one_fence(d, rows, k, design
   `landed`) to every device is one system-scope fence and relaxed adds; the
   partials' announcements to their one owner stay releases (the designs
   with add_all), and without one_fence there is no relaxed add. Refused
-  where it has nothing to announce (no add_all, no whole_rows).
-  Experimental."""
+  where it has nothing to announce (no add_all, no whole_rows). The
+  default of whole_rows (RS v17), experimental with add_all (level)."""
   n = 8192 if design == "whole_rows" else 1024
   if design == "whole_rows":
-    base = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+    config = rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132)
+    assert config.one_fence
+    base = dataclasses.replace(config, one_fence=False)
   else:
     base = rs.VARIANTS[design](rs.base_config(rows, k, n, BF16, axis_size=d, num_sms=132))
-  config = dataclasses.replace(base, one_fence=True)
+    config = dataclasses.replace(base, one_fence=True)
   assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
-  assert "one_fence" in rs.experimental_reason(config, axis_size=d)
+  assert ("one_fence" in (rs.experimental_reason(config, axis_size=d) or "")) == (
+      design != "whole_rows")
   fenced, released = (_cuda_module(c, d * rows, k, n, d) for c in (config, base))
   assert "fence.acq_rel.sys" in fenced and "red.relaxed.sys" in fenced
   assert "red.relaxed.sys" not in released and "red.release.gpu" in released
@@ -656,16 +659,18 @@ def test_whole_rows_misconfigurations_are_rejected(change, rows, d, words):
 @pytest.mark.parametrize("d,rows,transposed", [(2, 16, False), (4, 8, False), (2, 32, True),
                                               (2, 12, False)])
 def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed, narrow):
-  """The zeroing and `ready` announcements, the float32 reduce-adds of each
-  owner's rows into every device, the per-item announcements and the last
-  wait lower for CUDA, peers' TMA descriptors included; x's rows padded
-  around the kernel only where they are not a multiple of 8 (RS v14); with
-  narrow_partials (RS v15) the adds are in x's dtype, and no convert
-  follows the kernel."""
+  """The zeroing and `ready` announcements, the reduce-adds of each owner's
+  rows into every device, the per-item announcements and the last wait
+  lower for CUDA, peers' TMA descriptors included; x's rows padded around
+  the kernel only where they are not a multiple of 8 (RS v14); with
+  narrow_partials (RS v15; the default since v17) the
+  adds are in x's dtype, and no convert follows the kernel; without it they
+  are in float32, converted after the kernel."""
   m, k, n = d * rows, 2048, 8192
   config = dataclasses.replace(rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132),
                                narrow_partials=narrow)
-  assert ("narrow_partials" in (rs.experimental_reason(config, axis_size=d) or "")) == narrow
+  assert rs.whole_rows_config(rows, k, n, BF16, axis_size=d, num_sms=132).narrow_partials
+  assert rs.experimental_reason(config, axis_size=d) is None  # GPU-tested at D = 2 and 4
   mesh = jax.make_mesh((d,), ("x",))
   body = lambda x, w: rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132,
                                                w_transposed=transposed)
@@ -679,7 +684,9 @@ def test_whole_rows_exchange_lowers_for_cuda(d, rows, transposed, narrow):
       sds((m, d * k), jax.P(None, "x")), sds(w_shape, w_spec)).mlir_module()
   for scope in ("zero", "ready", "wait_ready", "signal", "wait_peers"):
     assert scope in module, scope
-  assert "red.release.sys" in module and "fence.proxy.async.global" in module
+  # Announced behind one fence (one_fence, the default since RS v17).
+  assert "fence.acq_rel.sys" in module and "red.relaxed.sys" in module
+  assert "fence.proxy.async.global" in module
   assert ("stablehlo.pad" in module) == (rows % 8 != 0)
   converts_f32 = re.search(r"stablehlo\.convert [^\n]*f32>\) -> tensor<[^\n]*bf16>", module)
   assert bool(converts_f32) == (not narrow)
