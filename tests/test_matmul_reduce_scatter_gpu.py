@@ -84,6 +84,13 @@ def _partials(mesh, x, w, splits: int = 1) -> np.ndarray:
   return np.asarray(f(x, w))
 
 
+def _rounded_partials(mesh, x, w, config) -> np.ndarray:
+  """`_partials` as `config` rounds them: with whole_rows' narrow_partials
+  each of the D x k_splits partials is rounded to x's dtype."""
+  narrow = config.whole_rows and config.narrow_partials
+  return _partials(mesh, x, w, config.k_splits if narrow else 1)
+
+
 def _check(out: jax.Array, partials: np.ndarray, dtype, what: str, k_total: int) -> None:
   """Every element of every device's rows of `out` against sum(partials),
   within the error of the P partials rounded to `dtype` and added in it."""
@@ -108,7 +115,7 @@ def _check(out: jax.Array, partials: np.ndarray, dtype, what: str, k_total: int)
           f" off, non-finite {(~np.isfinite(got)).sum()}; worst at {worst}: got"
           f" {got[worst]:.5g}, expected {ref[rows][worst]:.5g} (bound"
           f" {bound[rows][worst]:.3g}); bad rows {bad_rows[:12].tolist()}")
-  assert not failures, f"{what} ({dtype.name}, D={d}):\n  " + "\n  ".join(failures)
+  assert not failures, f"{what} ({dtype.name}, {num} partials):\n  " + "\n  ".join(failures)
 
 
 def _fused(mesh, impl="pallas", **kwargs):
@@ -124,12 +131,17 @@ CASES = [*((s, BF16) for s in DEFAULT_SHAPES + ODD_SHAPES),
                          ids=[f"{'x'.join(map(str, s))}-{d.name}" for s, d in CASES])
 def test_matches_float32_reference_on_every_device(shape, dtype):
   mesh = _mesh()
+  d = mesh.shape[AXIS]
+  m, k_shard, n = shape
+  config = kernel.default_config(m // d, k_shard, n, dtype, axis_size=d,
+                                 num_sms=platform.num_sms())
   with jax.set_mesh(mesh):
     x, w = _operands(mesh, *shape, dtype, "main", shape, dtype.name)
-    _check(_fused(mesh)(x, w), _partials(mesh, x, w), dtype, "per-shard out", x.shape[1])
+    expected = _rounded_partials(mesh, x, w, config)
+    _check(_fused(mesh)(x, w), expected, dtype, "per-shard out", x.shape[1])
     wrapped = jax.jit(functools.partial(jax_overlap.sharded_matmul_reduce_scatter,
                                         axis_name=AXIS, impl="pallas"))(x, w)
-    _check(wrapped, _partials(mesh, x, w), dtype, "sharded wrapper out", x.shape[1])
+    _check(wrapped, expected, dtype, "sharded wrapper out", x.shape[1])
 
 
 def test_repeated_calls_over_poisoned_memory():
@@ -217,8 +229,7 @@ def test_whole_rows_over_poisoned_memory(shape, transposed, option):
   with jax.set_mesh(mesh):
     for i in range(3):
       x, w = _operands(mesh, m, k_shard, n, BF16, "whole", shape, transposed, i)
-      # With narrow_partials each of the D x k_splits partials is rounded.
-      expected = _partials(mesh, x, w, config.k_splits if config.narrow_partials else 1)
+      expected = _rounded_partials(mesh, x, w, config)
       poison().block_until_ready()
       _check(f(x, flip(w) if transposed else w), expected, BF16, f"whole_rows call {i}",
              x.shape[1])
@@ -371,7 +382,8 @@ def test_entry_back_to_back_and_in_a_scan(design):
     inputs = [_operands(mesh, m, k_shard, n, BF16, "entry", design, i) for i in range(5)]
     outs = [f(x, w) for x, w in inputs]
     for i, ((x, w), out) in enumerate(zip(inputs, outs)):
-      _check(out, _partials(mesh, x, w), BF16, f"entry {design} call {i}", x.shape[1])
+      _check(out, _rounded_partials(mesh, x, w, config), BF16, f"entry {design} call {i}",
+             x.shape[1])
     layers = 20
     x, _ = _operands(mesh, m, k_shard, n, BF16, "entry scan x", design)
     ws = jax.jit(lambda k: (jax.random.normal(k, (layers, d * k_shard, n), jnp.float32)
@@ -388,5 +400,5 @@ def test_entry_back_to_back_and_in_a_scan(design):
                                out_specs=P(None, AXIS, None)))(x, ws)
     for layer in (0, 1, layers - 1):
       w = jax.reshard(ws[layer], W_SPEC)
-      _check(jax.reshard(ys[layer], OUT_SPEC), _partials(mesh, x, w), BF16,
+      _check(jax.reshard(ys[layer], OUT_SPEC), _rounded_partials(mesh, x, w, config), BF16,
              f"entry {design} scan layer {layer}", x.shape[1])
