@@ -204,7 +204,8 @@ OP = runner.OpSpec(
     isolated={cases.WINDOWED_EINSUM: cases.WINDOWED_EINSUM_FLAGS},
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
-                *(f"pallas_whole_rows_{name}" for name in WHOLE_ROWS_CHANGES), "pallas_entry", "pallas_barrier", "user_bsp", "gemm_alone",
+                *(f"pallas_whole_rows_{name}" for name in WHOLE_ROWS_CHANGES), "pallas_entry",
+                "pallas_barrier", "user_bsp", "gemm_alone",
                 "reduce_scatter_alone"),
 )
 

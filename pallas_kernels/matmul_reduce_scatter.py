@@ -158,8 +158,7 @@ class MatmulReduceScatterConfig:
       before announcing `ready`, a tile after its first K loop) instead of
       at the barrier XLA runs before each launch. The default at D = 2 and 4
       (`default_config`: 2-4 µs less per call on 2 and 4 H200s, RS v14, v16)
-      and in
-      multi-process jobs (`jax_overlap.dispatch.for_this_job`; see
+      and in multi-process jobs (`jax_overlap.dispatch.for_this_job`; see
       `AllGatherMatmulConfig.entry`); GPU-tested at D = 2 and 4,
       experimental at other D.
     one_fence: an announcement to every device (a zeroer's `ready` with
@@ -339,10 +338,10 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   (each a whole number of K steps) that `whole_rows_estimate_us` finds
   fastest, the fewest of equals; the partials announced behind one fence and
   added in x's dtype (`one_fence`, `narrow_partials`: RS v17). GPU-tested at
-  D = 2 and 4 (`experimental_reason`). RS v11, side by side on 4 H100s at 16 rows per
-  device: 8-27% faster than RS v9's fewest splits that give every SM an item
-  (52.8 against 72.8 µs at K_shard 2048, N 8192; 172.7 against 188.1 at
-  13312 x 16384)."""
+  D = 2 and 4 (`experimental_reason`). RS v11, side by side on 4 H100s at 16
+  rows per device: 8-27% faster than RS v9's fewest splits that give every
+  SM an item (52.8 against 72.8 µs at K_shard 2048, N 8192; 172.7 against
+  188.1 at 13312 x 16384)."""
   span = gemm_core.whole_rows_span(rows, axis_size, max_span=_WHOLE_MAX_ROWS)
   tiles = gemm_core.whole_rows_tiles(span, n, dtype)
   if tiles is None or n % tiles.cta_n or k_shard % tiles.tile_k:
