@@ -218,8 +218,8 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       impl "pallas"; None takes the kernel's heuristic. For decode-size rows,
       `pallas_kernels.matmul_reduce_scatter.whole_rows_config(M // D, K_shard,
       N, dtype, axis_size=D, num_sms=...)` reads w once for every owner's rows
-      and adds the partials in float32 (the default for <= 64 gathered rows
-      with K_shard >= 7168; GPU-tested at D = 2 and 4).
+      and adds the partials in x's dtype (the default for <= 64 gathered rows
+      with K_shard >= 4096; GPU-tested at D = 2 and 4).
     w_transposed: w's layout, see `w`.
 
   Returns:

@@ -74,8 +74,8 @@ staged whole in shared memory under one store (`drip` was faster at every
 measured shape), and sender blocks forwarding partials staged in HBM (a gain
 at D = 2 only, below `drip`). RS v5's in-kernel handshake (the porter after
 block 0's first K loop) was slower everywhere on 4 H100s; `config.entry`'s,
-run at the start (RS v10), is 2-4 µs faster than XLA's barrier at D = 2 on
-2 H200s and the default there (RS v14).
+run at the start (RS v10), is 2-4 µs faster than XLA's barrier at D = 2 and
+4 on H200s and the default there (RS v14, v16).
 
 Deadlock freedom: step-0 tiles wait for nothing (with add_all, only for the
 zeroing, which the zeroer blocks do before their first tile); later peer tiles wait
