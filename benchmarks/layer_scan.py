@@ -1,7 +1,7 @@
 """Each op and its main baselines called once per layer in a `lax.scan`.
 
     python -m benchmarks.layer_scan [--layers=16] [--iterations=50] [--ops=flash_decode]
-        [--out_dir=...]
+        [--shapes=...] [--out_dir=...]
 
 A model calls these ops once per layer inside one jitted step, not once per
 dispatch. Per function, two pairs of figures (µs, per device):
@@ -10,7 +10,10 @@ dispatch. Per function, two pairs of figures (µs, per device):
   scan/L: one call of an L-layer `lax.scan` (a different weight or query per
     layer; the same x or KV cache), CUPTI and dispatch divided by L.
 Single-call dispatch at small shapes is mostly host time (~100-200 µs per
-two-device dispatch here); scan/L shows what a model step pays per layer.
+two-device dispatch here); scan/L shows what a model step pays per layer,
+where a collective kernel waits for its peers' previous layer, not for the
+host's launches on the other devices (which a single call's CUPTI figure
+of a collective kernel counts).
 The floor beside each shape is the op's least time per layer (harness.Floor).
 Timing only: the op benchmarks check these functions' outputs against a
 reference, and the GPU tests check the ops inside scans of 32 and 50 layers.
@@ -34,14 +37,17 @@ import jax_overlap
 from benchmarks import all_gather_matmul as ag_bench
 from benchmarks import flash_decode as fd_bench
 from benchmarks import harness
-from benchmarks import shapes
+from benchmarks import matmul_reduce_scatter as rs_bench
+from benchmarks import runner
 from benchmarks import spmd
 from pallas_kernels import platform
 
 _LAYERS = flags.DEFINE_integer("layers", 16, "Layers L of the scan.")
-_OPS = flags.DEFINE_multi_enum("ops", ["all_gather_matmul", "flash_decode"],
-                               ["all_gather_matmul", "flash_decode"], "The ops to time.")
-# --iterations (0: 50) and --out_dir are benchmarks.runner's flags.
+_OPS = flags.DEFINE_multi_enum(
+    "ops", ["all_gather_matmul", "flash_decode"],
+    ["all_gather_matmul", "matmul_reduce_scatter", "flash_decode"], "The ops to time.")
+# --iterations (0: 50), --out_dir and --shapes (for one op: its shapes, as the
+# op's benchmark takes them; else each op's GPU set) are benchmarks.runner's.
 AXIS = spmd.AXIS
 
 
@@ -88,6 +94,15 @@ def _all_gather_matmul(shape, mesh) -> list[Function]:
                    ag_bench.OUT_SPEC)]
 
 
+def _matmul_reduce_scatter(shape, mesh) -> list[Function]:
+  ops = rs_bench.setup(shape, mesh)
+  specs = (rs_bench.X_SPEC, rs_bench.W_SPEC)
+  ours = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas")
+  return [Function("pallas", ours, (ops.x, ops.w), specs, rs_bench.OUT_SPEC),
+          Function("user_bsp", rs_bench._user_bsp, (ops.x, ops.w), specs, rs_bench.OUT_SPEC),
+          Function("gemm_alone", jnp.dot, (ops.x, ops.w), specs, P(AXIS, None))]
+
+
 def _flash_decode(shape, mesh) -> list[Function]:
   inputs = fd_bench.setup(shape, mesh)
   to_native = spmd.reshard(lambda a: jnp.swapaxes(a, 1, 2), mesh, fd_bench.NATIVE_SPEC)
@@ -107,8 +122,9 @@ def _flash_decode(shape, mesh) -> list[Function]:
   ]
 
 
-OPS = (("all_gather_matmul", shapes.ALL_GATHER_MATMUL, _all_gather_matmul),
-       ("flash_decode", shapes.FLASH_DECODE, _flash_decode))
+OPS = (("all_gather_matmul", ag_bench.OP, _all_gather_matmul),
+       ("matmul_reduce_scatter", rs_bench.OP, _matmul_reduce_scatter),
+       ("flash_decode", fd_bench.OP, _flash_decode))
 
 
 def main(_) -> None:
@@ -117,10 +133,12 @@ def main(_) -> None:
   mesh = spmd.mesh()
   layers, records = _LAYERS.value, []
   iterations = flags.FLAGS.iterations or 50
-  for op, op_shapes, functions in OPS:
+  if flags.FLAGS.shapes and len(_OPS.value) != 1:
+    raise app.UsageError("--shapes: name one op with --ops (each op reads its own shapes).")
+  for op, spec, functions in OPS:
     if op not in _OPS.value:
       continue
-    for shape in op_shapes:
+    for shape in runner.parse_shapes(spec, on_gpu=True):
       floor = harness.Floor.of(shape, mesh.size, jnp.dtype(jnp.bfloat16).itemsize)
       print(f"== {op} {shape}: floor {floor.us:.1f} µs ({floor.bound})", flush=True)
       for fn in functions(shape, mesh):

@@ -122,12 +122,15 @@ def _pallas_whole_rows(shape: shapes.MatmulReduceScatterShape, ctx: runner.Conte
 
 # The whole_rows cases beside `pallas_whole_rows` (opt-in), by name suffix:
 # config changes to time side by side with it (each of RS v17's defaults
-# switched off, both as in RS v14, and XLA's barrier instead of `entry`).
+# switched off, both as in RS v14, XLA's barrier instead of `entry`, and the
+# K splits fixed instead of `whole_rows_estimate_us`'s choice; a split count
+# that does not divide the shape's K steps is skipped with the kernel's reason).
 WHOLE_ROWS_CHANGES = {
     "float32_partials": dict(narrow_partials=False),
     "per_device_releases": dict(one_fence=False),
     "v14": dict(narrow_partials=False, one_fence=False),
     "barrier": dict(entry=False),
+    **{f"splits{s}": dict(k_splits=s) for s in (1, 2, 4, 8)},
 }
 
 

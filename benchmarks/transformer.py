@@ -93,7 +93,8 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
-    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_no_slice_fusion and"
+    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
+    " (impl=\"pallas\": the kernels at every shape, where `auto` may take BSP), fused_no_slice_fusion and"
     " bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off, as multi-process jobs need"
     " for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`); the table compares fused and"
     " bsp.")
@@ -196,11 +197,14 @@ class Variant:
 def variants() -> tuple[Variant, ...]:
   """The --model_variants: fused (`auto`), bsp (the XLA paths, flash_decode
   on its best BSP pipeline), fused_entry (fused, the kernels meeting
-  inside), and fused / bsp without XLA's dynamic-slice fusion."""
+  inside), fused_kernels (impl="pallas": the kernels wherever they run,
+  e.g. at the decode-size matmuls that `auto` may give BSP), and fused / bsp
+  without XLA's dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
       Variant("fused_entry", "auto", None, entry=True),
+      Variant("fused_kernels", "pallas", None),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))

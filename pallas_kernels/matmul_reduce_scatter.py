@@ -239,13 +239,13 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   plain, drip and drip + add_all were within the rounds' spread (RS v7).
 
   Decode-size rows (D x the padded rows per device <= 64) with K_shard >=
-  4096: `whole_rows_config`, w read once for every owner's rows. Side by
+  2048: `whole_rows_config`, w read once for every owner's rows. Side by
   side on 4 and 2 H200s (RS v9) and 4 H100s (RS v11): 1.2-2.3x faster than
   the row-block tiles there (339 -> 148 µs at 16 x 13312 x 16384 per device,
-  D = 4; 129.7 -> 77.2 at 16 x 4096 x 16384), slower at 128 gathered rows or
-  K_shard 2048. XLA's BSP path was as fast or faster at every such shape
-  (0.95-0.99x at K_shard >= 4096 on H100), so `auto` takes BSP there; this
-  serves impl="pallas".
+  D = 4; 129.7 -> 77.2 at 16 x 4096 x 16384), slower at 128 gathered rows;
+  since RS v17 also at K_shard 2048-3584 (session 42, 4 H200s: 1.3-1.5x).
+  Against XLA's BSP path it wins at some such shapes and loses at others
+  (RS v17), so `auto` follows the measured tables there.
 
   At D = 2 and 4 every design takes `entry` (the devices meet inside the
   kernel, not at XLA's barrier before the launch): side by side on 2 H200s
@@ -406,10 +406,13 @@ _NARROW_GPU_TESTED_AXIS_SIZES = (2, 4)
 # default_config takes whole_rows for at most this many gathered rows (D x
 # the padded rows per device) with at least _WHOLE_MIN_K_SHARD: measured
 # faster than the row-block tiles there (RS v9; RS v11 at K_shard 4096: 77.2
-# against 129.7 µs, 64 x 4096 x 16384 on 4 H100s), slower at 128 rows or
-# K_shard 2048 (52.8 against 50.7 at 64 x 2048 x 8192).
+# against 129.7 µs, 64 x 4096 x 16384 on 4 H100s), slower at 128 rows. At
+# K_shard 2048 RS v11 was slower (52.8 against 50.7 at 64 x 2048 x 8192, 4
+# H100s); with RS v17's one fence and bf16 partials it is faster (session
+# 42, 4 H200s, side by side: 35.7 against 54.3 µs there, 33.3 against 51.5
+# at 32 x 2048 x 8192, 32.9 against 42.1 at 32 x 3584 x 4096).
 _WHOLE_DEFAULT_MAX_ROWS = 64
-_WHOLE_MIN_K_SHARD = 4096
+_WHOLE_MIN_K_SHARD = 2048
 # Blocks that zero the output with add_all, at most.
 _ZEROERS = 16
 # whole_rows: the most rows a tile spans (D row blocks; the warpgroups side

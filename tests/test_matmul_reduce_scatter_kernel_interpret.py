@@ -623,13 +623,16 @@ def test_whole_rows_estimate_weighs_streaming_against_the_exchange():
     (2, 32, 14336, 8192, True), (2, 8, 7168, 4096, True),
     (4, 16, 4096, 16384, True), (2, 16, 4096, 8192, True),
     (4, 32, 7168, 8192, False),  # 128 gathered rows
-    (4, 16, 2048, 8192, False), (2, 32, 2048, 4096, False),  # short K
+    (4, 8, 2048, 8192, True), (4, 16, 2048, 8192, True), (4, 8, 3584, 4096, True),
+    (2, 32, 2048, 4096, True),
+    (4, 16, 1024, 8192, False), (2, 32, 1024, 4096, False),  # short K
     (3, 16, 7168, 8192, False),  # D = 3: no whole_rows tiles
     (2, 256, 7168, 8192, False)])
 def test_default_config_takes_whole_rows_at_decode_rows_and_long_k(d, rows, k, n, whole):
   """RS v9 (H200s) and v11 (H100s), side by side: whole_rows was faster than
   the row-block tiles with <= 64 gathered rows and K_shard >= 4096, slower
-  otherwise."""
+  otherwise; with RS v17 also at K_shard 2048 and 3584 (session 42, D = 4),
+  not measured below."""
   config = rs.default_config(rows, k, n, BF16, axis_size=d, num_sms=132)
   assert config.whole_rows == whole, config
   assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
