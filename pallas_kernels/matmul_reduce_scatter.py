@@ -592,6 +592,19 @@ def _meet_peers(axis_name, d: int, me, sm, wg) -> entry.Entry:
   return peers_in
 
 
+def _whole_rows_grid(items: int, num_sms: int) -> tuple[int, int]:
+  """whole_rows with an exchange: (blocks, zeroers). Where the items leave
+  SMs free, up to _ZEROERS blocks past the items' do the zeroing alone (an
+  item after the zeroing starts only once the peers have entered: at 8 rows
+  per device, D = 4, the zeroers' items ended ~20 kcyc after the others',
+  session 42's profile); else the last _ZEROERS blocks, which have items."""
+  spare = num_sms - items
+  if spare > 0:
+    zeroers = min(_ZEROERS, spare)
+    return items + zeroers, zeroers
+  return num_sms, min(_ZEROERS, num_sms)
+
+
 def whole_rows_block_rows(rows: int, config: MatmulReduceScatterConfig, axis_size: int) -> int:
   """whole_rows: the rows of each device's block in the tile and in the
   output: the `rows` per device as they lie in x where they are a multiple
@@ -881,10 +894,12 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   multiple of 8, the tile's rows past them zero-filled by TMA; else padded
   to the tile's share). Its row block j goes to device j by a TMA
   reduce-add into j's output, [rows, N] in float32 (converted to x's dtype
-  after the kernel), or in x's dtype with narrow_partials, which the last
-  `_zeroers` blocks of j zeroed before announcing it (`ready`) to every
-  device; a block waits for every owner's announcement before its first
-  epilogue. Each compute warpgroup announces its half of an item to the
+  after the kernel), or in x's dtype with narrow_partials, which zeroer
+  blocks of j zeroed before announcing it (`ready`) to every device; a block
+  waits for every owner's announcement before its first epilogue. The
+  zeroers are blocks of their own where the items leave SMs free, so that no
+  item starts after the zeroing and its wait for the peers' entry; else the
+  last blocks, which have items (`_whole_rows_grid`). Each compute warpgroup announces its half of an item to the
   peers (`landed`) once its stores have landed, one item late as the other
   designs do; one warpgroup of block 0 waits, last, for all the peers'
   halves. Stand-alone: item i's row block j stored into [split, j] of a
@@ -906,8 +921,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   partial_dtype = x.dtype if config.narrow_partials else jnp.dtype(jnp.float32)
   core = gemm_core.TileMatmul(tiles, k_split, x.dtype, partial_dtype, transpose_b=w_transposed)
   remote = exchange and d > 1
-  grid = min(num_sms, items)
-  zeroers = min(_ZEROERS, grid)
+  grid, zeroers = _whole_rows_grid(items, num_sms) if remote else (min(num_sms, items), 0)
   epi_n = tiles.epi_tile_n
   meet = remote and config.entry
 
@@ -985,7 +999,7 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
 
     pl.run_scoped(run_tiles, collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
     if remote:
-      pl.when(wg < 2)(announce)  # the block's last item (every block has one)
+      pl.when((wg < 2) & (sm < items))(announce)  # the block's last item, if it has one
       _await_peer_halves(landed, 2 * (d - 1) * items, sm, wg)
     gemm_core.final_wait()
 

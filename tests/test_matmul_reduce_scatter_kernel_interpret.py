@@ -638,6 +638,15 @@ def test_default_config_takes_whole_rows_at_decode_rows_and_long_k(d, rows, k, n
   assert rs.unsupported_reason(rows, k, n, BF16, config, axis_size=d) is None
 
 
+@pytest.mark.parametrize("items,grid,zeroers", [(64, 80, 16), (128, 132, 4), (131, 132, 1),
+                                               (132, 132, 16), (256, 132, 16)])
+def test_whole_rows_zeroers_have_no_item_where_sms_are_free(items, grid, zeroers):
+  """Past the items' blocks, up to 16 blocks zero the output alone (session
+  42: a zeroer's item started only after the peers had entered); with no SM
+  free, the last 16 blocks, which have items, zero first."""
+  assert rs._whole_rows_grid(items, num_sms=132) == (grid, zeroers)
+
+
 def test_whole_rows_config_needs_the_row_blocks_in_128_rows():
   assert rs.whole_rows_config(128, 4096, 8192, BF16, axis_size=2, num_sms=132) is None
   assert rs.whole_rows_config(40, 4096, 8192, BF16, axis_size=4, num_sms=132) is None
