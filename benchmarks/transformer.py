@@ -39,6 +39,7 @@ README figures: `python -m benchmarks.model_table`.
 """
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -93,8 +94,8 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
-    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
-    " (impl=\"pallas\": the kernels at every shape, where `auto` may take BSP), fused_no_slice_fusion and"
+    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels (`auto`"
+    " taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`), fused_no_slice_fusion and"
     " bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off, as multi-process jobs need"
     " for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`); the table compares fused and"
     " bsp.")
@@ -186,25 +187,35 @@ _NO_SLICE_FUSION = (("xla_gpu_enable_dynamic_slice_fusion", False),)
 class Variant:
   """A model variant: the collective impl, flash_decode's, whether the
   matmul kernels meet inside the kernel (`dispatch.meet_inside_kernels`),
-  and XLA compile options ((name, value) pairs)."""
+  whether `auto` takes the kernels wherever they run
+  (`dispatch.kernels_wherever_they_run`), and XLA compile options ((name,
+  value) pairs)."""
   name: str
   impl: str
   decode_impl: str | None
   entry: bool = False
+  kernels: bool = False
   compiler_options: tuple[tuple[str, object], ...] = ()
+
+  @contextlib.contextmanager
+  def tracing(self):
+    """The dispatch switches this variant's programs are traced under."""
+    with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
+        self.kernels):
+      yield
 
 
 def variants() -> tuple[Variant, ...]:
   """The --model_variants: fused (`auto`), bsp (the XLA paths, flash_decode
   on its best BSP pipeline), fused_entry (fused, the kernels meeting
-  inside), fused_kernels (impl="pallas": the kernels wherever they run,
-  e.g. at the decode-size matmuls that `auto` may give BSP), and fused / bsp
-  without XLA's dynamic-slice fusion."""
+  inside), fused_kernels (fused, `auto` taking the kernels wherever they
+  run, e.g. at the decode-size matmuls that its tables give BSP), and fused
+  / bsp without XLA's dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
       Variant("fused_entry", "auto", None, entry=True),
-      Variant("fused_kernels", "pallas", None),
+      Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
@@ -407,8 +418,8 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
 
 def _compile(fn, variant: Variant, *args):
   """fn lowered and compiled for `args`, traced inside the variant's
-  `dispatch.meet_inside_kernels` switch, with its compile options."""
-  with dispatch.meet_inside_kernels(variant.entry):
+  dispatch switches (`Variant.tracing`), with its compile options."""
+  with variant.tracing():
     return fn.lower(*args).compile(compiler_options=dict(variant.compiler_options) or None)
 
 
@@ -423,10 +434,12 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   layers = params["layers"]["w_o"].shape[0]
   abstract_params = _abstract(params, mesh, transformer.param_specs(AXIS))
   decode = case.step == "decode"
-  info = {"explain": transformer.explain(
-      config, axis_size=d, batch=None if decode else b, seq=None if decode else s,
-      impl=v.impl, decode_impl=v.decode_impl, decode_batch=b if decode else None,
-      cache_len=s if decode else None)}
+  with v.tracing():
+    explained = transformer.explain(
+        config, axis_size=d, batch=None if decode else b, seq=None if decode else s,
+        impl=v.impl, decode_impl=v.decode_impl, decode_batch=b if decode else None,
+        cache_len=s if decode else None)
+  info = {"explain": explained}
   gen = np.random.default_rng(0)
   tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
   tokens = lambda: jax.device_put(gen.integers(0, config.vocab, (b, s)).astype(np.int32),

@@ -96,6 +96,26 @@ def meet_inside_kernels(enabled: bool = True):
     _MEET_INSIDE.reset(token)
 
 
+_KERNELS_WHEREVER = contextvars.ContextVar("jax_overlap_kernels_wherever_they_run",
+                                           default=False)
+
+
+@contextlib.contextmanager
+def kernels_wherever_they_run(enabled: bool = True):
+  """Inside the block, impl="auto" takes an op's "pallas" impl wherever it
+  can run the problem, past the measured rules and tables that would give
+  it BSP there (trace-time, like `meet_inside_kernels`). A measuring switch,
+  not a default: `benchmarks.transformer --model_variants=fused_kernels`
+  times a model with the kernels at every shape they take, e.g. the decode
+  step's decode-size matmuls, whose single-call figures (what the tables
+  hold) include each call's wait for the other devices' launches."""
+  token = _KERNELS_WHEREVER.set(enabled)
+  try:
+    yield
+  finally:
+    _KERNELS_WHEREVER.reset(token)
+
+
 def for_this_job(config):
   """A matmul kernel's default `config` (a frozen dataclass with an `entry`
   field) for this job: in a multi-process job the devices meet inside the
@@ -199,7 +219,8 @@ class Op:
       for name in self.auto_order:
         impl = self.impls[name]
         reason = impl.support(problem)
-        if reason is None and impl.auto_rule is not None:
+        if (reason is None and impl.auto_rule is not None
+            and not (name == "pallas" and _KERNELS_WHEREVER.get())):
           reason = impl.auto_rule(problem)
         if reason is None:
           choice = Choice(op, requested, name, tuple(rejected))

@@ -210,6 +210,23 @@ def test_auto_keeps_decode_size_all_gather_matmuls_on_bsp(d, m_shard, k, n_shard
   assert jax_overlap.explain_all_gather_matmul(*args, axis_size=d, impl="pallas").impl == "pallas"
 
 
+def test_kernels_wherever_they_run_takes_the_kernel_past_the_measured_rules(monkeypatch):
+  """Inside `kernels_wherever_they_run`, "auto" takes the kernel where its
+  measured rule gives BSP, and still falls back where the kernel cannot
+  run; outside, the rule holds again."""
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  args = S(64, 4096), S(4096, 7168)
+  explain = lambda: jax_overlap.explain_matmul_reduce_scatter(*args, axis_size=2).impl
+  assert explain() == "xla_bsp"  # no Hopper here
+  with dispatch.kernels_wherever_they_run():
+    assert explain() == "xla_bsp"
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  assert explain() == "xla_bsp"  # the measured rule
+  with dispatch.kernels_wherever_they_run():
+    assert explain() == "pallas"
+  assert explain() == "xla_bsp"
+
+
 @pytest.mark.parametrize("winner", ["pallas", "xla_bsp"])
 def test_auto_follows_the_measured_table_for_its_exact_problems(winner, monkeypatch, tmp_path):
   """An entry of data/<device kind>/<op>_auto.json decides "auto" for that
