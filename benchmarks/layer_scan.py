@@ -84,23 +84,26 @@ def _measure(fn: Function, layers: int, iterations: int, mesh) -> dict:
           "scan_dispatch_us_per_layer": many.dispatch_us / layers}
 
 
+def _matmul_functions(bench, op, ops, gemm_x, gemm_out_spec) -> list[Function]:
+  """A matmul op's kernel (impl="pallas"), the user's BSP and the GEMM alone
+  on (gemm_x, w): x fixed, w per layer; `bench` is the op's benchmark module."""
+  specs = (bench.X_SPEC, bench.W_SPEC)
+  ours = functools.partial(op, axis_name=AXIS, impl="pallas")
+  return [Function("pallas", ours, (ops.x, ops.w), specs, bench.OUT_SPEC),
+          Function("user_bsp", bench._user_bsp, (ops.x, ops.w), specs, bench.OUT_SPEC),
+          Function("gemm_alone", jnp.dot, (gemm_x, ops.w), specs, gemm_out_spec)]
+
+
 def _all_gather_matmul(shape, mesh) -> list[Function]:
   ops = ag_bench.setup(shape, mesh)
-  specs = (ag_bench.X_SPEC, ag_bench.W_SPEC)
-  ours = functools.partial(jax_overlap.all_gather_matmul, axis_name=AXIS, impl="pallas")
-  return [Function("pallas", ours, (ops.x, ops.w), specs, ag_bench.OUT_SPEC),
-          Function("user_bsp", ag_bench._user_bsp, (ops.x, ops.w), specs, ag_bench.OUT_SPEC),
-          Function("gemm_alone", jnp.dot, (ag_bench._pregathered(mesh, ops), ops.w), specs,
-                   ag_bench.OUT_SPEC)]
+  return _matmul_functions(ag_bench, jax_overlap.all_gather_matmul, ops,
+                           ag_bench._pregathered(mesh, ops), ag_bench.OUT_SPEC)
 
 
 def _matmul_reduce_scatter(shape, mesh) -> list[Function]:
-  ops = rs_bench.setup(shape, mesh)
-  specs = (rs_bench.X_SPEC, rs_bench.W_SPEC)
-  ours = functools.partial(jax_overlap.matmul_reduce_scatter, axis_name=AXIS, impl="pallas")
-  return [Function("pallas", ours, (ops.x, ops.w), specs, rs_bench.OUT_SPEC),
-          Function("user_bsp", rs_bench._user_bsp, (ops.x, ops.w), specs, rs_bench.OUT_SPEC),
-          Function("gemm_alone", jnp.dot, (ops.x, ops.w), specs, P(AXIS, None))]
+  ops = rs_bench.setup(shape, mesh)  # the GEMM alone: each device's [M, N] partial
+  return _matmul_functions(rs_bench, jax_overlap.matmul_reduce_scatter, ops, ops.x,
+                           P(AXIS, None))
 
 
 def _flash_decode(shape, mesh) -> list[Function]:
