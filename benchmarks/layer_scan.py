@@ -10,10 +10,12 @@ dispatch. Per function, two pairs of figures (µs, per device):
   scan/L: one call of an L-layer `lax.scan` (a different weight or query per
     layer; the same x or KV cache), CUPTI and dispatch divided by L.
 Single-call dispatch at small shapes is mostly host time (~100-200 µs per
-two-device dispatch here); scan/L shows what a model step pays per layer,
-where a collective kernel waits for its peers' previous layer, not for the
-host's launches on the other devices (which a single call's CUPTI figure
-of a collective kernel counts).
+two-device dispatch here); scan/L shows what a scanned model step pays per
+layer. It flatters the fused ops against NCCL's: NCCL's calls inside XLA's
+while loop ran at 2-3x their single-call time (session 42, 4 H200s: a
+bf16 dot + `psum_scatter` at 32 x 2048 x 8192, 21.2 -> 64.0 µs), and in
+the model's unrolled decode step the decode-size matmul kernels came out
+level with BSP, as their single calls had (benchmarks/NOTES.md, RS v18).
 The floor beside each shape is the op's least time per layer (harness.Floor).
 Timing only: the op benchmarks check these functions' outputs against a
 reference, and the GPU tests check the ops inside scans of 32 and 50 layers.

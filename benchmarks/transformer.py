@@ -94,10 +94,11 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
-    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels (`auto`"
-    " taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`), fused_no_slice_fusion and"
-    " bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off, as multi-process jobs need"
-    " for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`); the table compares fused and"
+    " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
+    " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
+    " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
+    " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
+    " the table compares fused and"
     " bsp.")
 _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"

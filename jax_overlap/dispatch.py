@@ -107,8 +107,9 @@ def kernels_wherever_they_run(enabled: bool = True):
   it BSP there (trace-time, like `meet_inside_kernels`). A measuring switch,
   not a default: `benchmarks.transformer --model_variants=fused_kernels`
   times a model with the kernels at every shape they take, e.g. the decode
-  step's decode-size matmuls, whose single-call figures (what the tables
-  hold) include each call's wait for the other devices' launches."""
+  step's decode-size matmuls, which the tables give BSP by single-call
+  measurements (session 42, 4 H200s: level with BSP there in the model's
+  decode step too)."""
   token = _KERNELS_WHEREVER.set(enabled)
   try:
     yield

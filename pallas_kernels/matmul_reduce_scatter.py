@@ -899,11 +899,12 @@ def _whole_rows(x, w, *, axis_name, config: MatmulReduceScatterConfig, num_sms: 
   waits for every owner's announcement before its first epilogue. The
   zeroers are blocks of their own where the items leave SMs free, so that no
   item starts after the zeroing and its wait for the peers' entry; else the
-  last blocks, which have items (`_whole_rows_grid`). Each compute warpgroup announces its half of an item to the
-  peers (`landed`) once its stores have landed, one item late as the other
-  designs do; one warpgroup of block 0 waits, last, for all the peers'
-  halves. Stand-alone: item i's row block j stored into [split, j] of a
-  local buffer, the splits summed afterwards.
+  last blocks, which have items (`_whole_rows_grid`). Each compute
+  warpgroup announces its half of an item to the peers (`landed`) once its
+  stores have landed, one item late as the other designs do; one warpgroup
+  of block 0 waits, last, for all the peers' halves. Stand-alone: item i's
+  row block j stored into [split, j] of a local buffer, the splits summed
+  afterwards.
   """
   exchange = standalone is None
   d = lax.axis_size(axis_name) if exchange else standalone.size
