@@ -96,6 +96,7 @@ _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
+    " fused_replicated and bsp_replicated (the decode step over replicated activations),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
     " the table compares fused and"
@@ -189,13 +190,14 @@ class Variant:
   """A model variant: the collective impl, flash_decode's, whether the
   matmul kernels meet inside the kernel (`dispatch.meet_inside_kernels`),
   whether `auto` takes the kernels wherever they run
-  (`dispatch.kernels_wherever_they_run`), and XLA compile options ((name,
-  value) pairs)."""
+  (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
+  and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
   decode_impl: str | None
   entry: bool = False
   kernels: bool = False
+  decode_activations: str = "sharded"
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
@@ -210,13 +212,16 @@ def variants() -> tuple[Variant, ...]:
   """The --model_variants: fused (`auto`), bsp (the XLA paths, flash_decode
   on its best BSP pipeline), fused_entry (fused, the kernels meeting
   inside), fused_kernels (fused, `auto` taking the kernels wherever they
-  run, e.g. at the decode-size matmuls that its tables give BSP), and fused
-  / bsp without XLA's dynamic-slice fusion."""
+  run, e.g. at the decode-size matmuls that its tables give BSP),
+  fused_replicated / bsp_replicated (the decode step over replicated
+  activations), and fused / bsp without XLA's dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
+      Variant("fused_replicated", "auto", None, decode_activations="replicated"),
+      Variant("bsp_replicated", "xla_bsp", decode, decode_activations="replicated"),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
@@ -439,7 +444,7 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
     explained = transformer.explain(
         config, axis_size=d, batch=None if decode else b, seq=None if decode else s,
         impl=v.impl, decode_impl=v.decode_impl, decode_batch=b if decode else None,
-        cache_len=s if decode else None)
+        cache_len=s if decode else None, decode_activations=v.decode_activations)
   info = {"explain": explained}
   gen = np.random.default_rng(0)
   tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
@@ -467,7 +472,8 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   cache_abstract = transformer.KVCache(
       per_layer(specs.k), per_layer(specs.v),
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
-  fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl, **common),
+  fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl,
+                                 activations=v.decode_activations, **common),
                donate_argnums=(2,))
   compiled = compile_(fn, abstract_params,
                       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec), cache_abstract)

@@ -18,7 +18,9 @@ sequence parallelism):
 - Decoding keeps the KV cache sharded along the sequence (device i holds
   positions [i * S_max / D, (i + 1) * S_max / D) of every head) and attends
   through `flash_decode`, which merges the devices' partial attention; the
-  decode batch is sharded like the tokens above.
+  decode batch is sharded like the tokens above, or with
+  `decode_step(activations="replicated")` whole on every device (local
+  column-parallel matmuls, an all-reduce after each row-parallel one).
 
 A layer (pre-norm; RMSNorm; rotary embeddings; grouped-query attention;
 SwiGLU with gate and up in one matmul):
@@ -269,14 +271,18 @@ def decode_impl_for(impl: str, decode_impl: str | None = None) -> str:
 def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = None,
             seq: int | None = None, impl: str = "auto", decode_impl: str | None = None,
             decode_batch: int | None = None, cache_len: int | None = None,
-            attention: str | None = None) -> tuple[str, ...]:
+            attention: str | None = None,
+            decode_activations: str = "sharded") -> tuple[str, ...]:
   """What each op of one layer (and the head) would run, without running it.
 
   The attention implementation; with `batch` and `seq`, the ops of a training
   or prefill step over batch x seq tokens; with `decode_batch` and
-  `cache_len`, those of a decode step. Returns one line per op: the
-  `dispatch.Choice` (chosen impl, why earlier ones were rejected).
+  `cache_len`, those of a decode step (its `activations` as
+  `decode_activations`). Returns one line per op: the `dispatch.Choice`
+  (chosen impl, why earlier ones were rejected), or for a decode step's
+  matmuls over replicated activations, what runs instead.
   """
+  _check_decode_activations(decode_activations)
   c, d = config, axis_size
   c.check(d)
   s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
@@ -301,7 +307,12 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
 
   choices = ops(batch * seq, "step") if batch is not None and seq is not None else []
   if decode_batch is not None and cache_len is not None:
-    choices += ops(decode_batch, "decode")
+    if decode_activations == "replicated":
+      choices += [(f"decode {name}", f"local matmul{then} (activations replicated)")
+                  for name, then in (("qkv", ""), ("o", ", then psum"), ("gate_up", ""),
+                                     ("down", ", then psum"), ("head", ""))]
+    else:
+      choices += ops(decode_batch, "decode")
     choices.append(("decode attention", explain_flash_decode(
         s(decode_batch, c.q_heads, c.head_dim), s(decode_batch, cache_len // d, c.kv_heads,
                                                    c.head_dim),
@@ -364,25 +375,52 @@ def _rope(x, positions, theta):
 
 @dataclasses.dataclass(frozen=True)
 class _Ops:
-  """What every per-shard function needs: shapes, the axis, the choices."""
+  """What every per-shard function needs: shapes, the axis, the choices, and
+  the two tensor-parallel matmuls over activations sharded by tokens."""
   config: TransformerConfig
   axis_name: str
   impl: str
   decode_impl: str
   attention: str
 
-  def ag(self, x, w):
+  def column(self, x, w):
+    """Column-parallel: x [N / D, K] (this device's tokens) @ w [K, C / D]
+    (its columns) -> [N, C / D]: the tokens gathered while multiplied."""
     return all_gather_matmul(x, w, axis_name=self.axis_name, impl=self.impl)
 
-  def mrs(self, x, w):
+  def row(self, x, w):
+    """Row-parallel: x [N, K / D] @ w [K / D, C] (its rows) -> [N / D, C]:
+    the partial products summed and scattered back to token shards."""
     return matmul_reduce_scatter(x, w, axis_name=self.axis_name, impl=self.impl)
 
 
-def _embed(tokens, table, axis_name):
+@dataclasses.dataclass(frozen=True)
+class _ReplicatedOps(_Ops):
+  """The two matmuls over activations replicated on every device (a decode
+  step's few rows with `activations="replicated"`): the column-parallel one
+  is a local matmul, the row-parallel one ends in one all-reduce of the
+  partial products in x's dtype (as the BSP reduce-scatter's). A layer then
+  exchanges three times (the heads' gather, o's and down's all-reduce)
+  instead of five."""
+
+  def column(self, x, w):
+    """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange."""
+    return jnp.dot(x, w, preferred_element_type=x.dtype)
+
+  def row(self, x, w):
+    """x [N, K / D] @ w [K / D, C], summed over the axis -> [N, C]."""
+    return lax.psum(jnp.dot(x, w, preferred_element_type=x.dtype), self.axis_name)
+
+
+def _embed(tokens, table, axis_name, *, replicated: bool = False):
   """tokens [N] (the same on every device) -> this device's rows [N / D, H]:
   a lookup in this device's H / D columns of the table, then an all-to-all
-  from column shards to row shards."""
-  return lax.all_to_all(jnp.take(table, tokens, axis=0), axis_name, 0, 1, tiled=True)
+  from column shards to row shards; with `replicated`, every row [N, H]
+  (an all-gather of the columns instead)."""
+  columns = jnp.take(table, tokens, axis=0)
+  if replicated:
+    return lax.all_gather(columns, axis_name, axis=1, tiled=True)
+  return lax.all_to_all(columns, axis_name, 0, 1, tiled=True)
 
 
 def _qkv(x, p, ops: _Ops, positions):
@@ -390,7 +428,7 @@ def _qkv(x, p, ops: _Ops, positions):
   q [N, Hq / D, Dh], k and v [N, Hkv / D, Dh]; positions [N] (or broadcastable)."""
   c = ops.config
   w = p["w_qkv"]  # [H, Hkv / D * (G + 2) * Dh]
-  qkv = ops.ag(_rms_norm(x, p["norm_attn"], c.eps), w)
+  qkv = ops.column(_rms_norm(x, p["norm_attn"], c.eps), w)
   qkv = qkv.reshape(qkv.shape[0], -1, c.group + 2, c.head_dim)
   q = qkv[:, :, :c.group].reshape(qkv.shape[0], -1, c.head_dim)
   k, v = qkv[:, :, c.group], qkv[:, :, c.group + 1]
@@ -401,8 +439,8 @@ def _mlp(x, p, ops: _Ops):
   """x + SwiGLU(rms_norm(x)), per shard: x [N / D, H] -> [N / D, H]."""
   c = ops.config
   # w_gate_up [H, 2 F / D]: gate and up of this device's F / D columns, side by side
-  gate_up = ops.ag(_rms_norm(x, p["norm_mlp"], c.eps), p["w_gate_up"])
-  return x + ops.mrs(_swiglu(gate_up), p["w_down"])
+  gate_up = ops.column(_rms_norm(x, p["norm_mlp"], c.eps), p["w_gate_up"])
+  return x + ops.row(_swiglu(gate_up), p["w_down"])
 
 
 @jax.custom_vjp
@@ -460,7 +498,7 @@ def _layers(params, tokens, ops: _Ops, *, keep_kv: bool):
     by_seq = lambda a: a.reshape(b, s, *a.shape[1:])
     o = jax.nn.dot_product_attention(by_seq(q), by_seq(k), by_seq(v), is_causal=True,
                                      implementation=ops.attention)
-    x = x + ops.mrs(o.reshape(b * s, -1), p["w_o"])
+    x = x + ops.row(o.reshape(b * s, -1), p["w_o"])
     return _mlp(x, p, ops), ((by_seq(k), by_seq(v)) if keep_kv else None)
 
   x = _embed(tokens.reshape(-1), params["embed"], ops.axis_name)
@@ -534,7 +572,7 @@ def loss(params, tokens, labels, *, config: TransformerConfig, axis_name: str, m
 
   def body(params, tokens, labels):
     x, _ = _layers(params, tokens, ops, keep_kv=False)
-    logits = ops.ag(_rms_norm(x, params["norm_final"], config.eps), params["w_head"])
+    logits = ops.column(_rms_norm(x, params["norm_final"], config.eps), params["w_head"])
     return _cross_entropy(logits, labels.reshape(-1), axis_name)
 
   return sharded.shard_map_args(body, mesh, (param_specs(axis_name), P(), P()), P(),
@@ -609,17 +647,39 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
   return logits, KVCache(k, v, lengths.astype(jnp.int32))
 
 
+# How a decode step's activations lie between sublayers (`decode_step`).
+DECODE_ACTIVATIONS = ("sharded", "replicated")
+
+
+def _check_decode_activations(activations: str) -> None:
+  if activations not in DECODE_ACTIVATIONS:
+    raise ValueError(
+        f"activations={activations!r}: expected 'sharded' (the decode batch split by tokens, the"
+        " matmuls through the collective ops) or 'replicated' (every row on every device, local"
+        " matmuls and one all-reduce per row-parallel matmul).")
+
+
 def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, axis_name: str,
-                mesh=None, impl: str = "auto", decode_impl: str | None = None):
+                mesh=None, impl: str = "auto", decode_impl: str | None = None,
+                activations: str = "sharded"):
   """One new token per sequence through the model and the KV cache.
 
   Args:
     params: as for `loss`.
-    tokens: [B] int32, each sequence's next token (replicated); B a multiple of D.
+    tokens: [B] int32, each sequence's next token (replicated); with
+      activations="sharded", B a multiple of D.
     cache: a KVCache (`prefill`'s, or `empty_cache`) of the model's layers,
       sharded as `cache_specs`; every length must be < S_max.
     config, axis_name, mesh, impl: as for `loss`.
     decode_impl: `flash_decode`'s impl; None: `decode_impl_for(impl)`.
+    activations: how the batch's activations lie between sublayers.
+      "sharded": split by tokens, as in training and prefill (B / D rows per
+      device): each layer's matmuls are `impl`'s all-gather matmuls and
+      matmul + reduce-scatters, five exchanges per layer with the heads'
+      gather. "replicated": all B rows on every device: the column-parallel
+      matmuls are local and each row-parallel one ends in one all-reduce,
+      three exchanges per layer; `impl` then applies to `flash_decode`
+      alone (decode_impl_for(impl)). The logits are the same up to rounding.
 
   Returns:
     (logits [B, V] float32, vocabulary sharded over the axis; the cache with
@@ -627,7 +687,11 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     device holding that position, and lengths + 1). Jit it with the cache
     donated, or every step copies the cache.
   """
+  _check_decode_activations(activations)
+  replicated = activations == "replicated"
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
+  if replicated:
+    ops = _ReplicatedOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(_Ops)})
   b = tokens.shape[0]
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
@@ -635,10 +699,10 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
                      f" {len(cache.k)} and {len(cache.v)}; make it with `prefill` or"
                      " `empty_cache`.")
   s_max = cache.k[0].shape[1]
-  if tokens.ndim != 1 or b % d or s_max % d:
-    raise ValueError(f"tokens: expected [B] with B a multiple of the axis size {d}, and the"
-                     f" cache's S_max = {s_max} a multiple of {d}; got tokens"
-                     f" {tuple(tokens.shape)}.")
+  if tokens.ndim != 1 or (b % d and not replicated) or s_max % d:
+    raise ValueError(f"tokens: expected [B] with B a multiple of the axis size {d} (or"
+                     f" activations='replicated'), and the cache's S_max = {s_max} a multiple"
+                     f" of {d}; got tokens {tuple(tokens.shape)}.")
   c = config
 
   def body(params, tokens, k_cache, v_cache, lengths):
@@ -665,18 +729,18 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
                        kv_lens=lengths + 1, impl=ops.decode_impl)
       heads = c.q_heads // d
       mine = lax.dynamic_slice_in_dim(o, me * heads, heads, 1)  # this device's heads
-      x = x + ops.mrs(mine.reshape(b, -1), p["w_o"])
+      x = x + ops.row(mine.reshape(b, -1), p["w_o"])
       return _mlp(x, p, ops), k_cache, v_cache
 
     # The layers unrolled, not scanned: each layer's cache is its own buffer.
-    x = _embed(tokens, params["embed"], axis_name)
+    x = _embed(tokens, params["embed"], axis_name, replicated=replicated)
     k_out, v_out = [], []
     for i in range(layers):
       x, k_i, v_i = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]),
                           k_cache[i], v_cache[i])
       k_out.append(k_i)
       v_out.append(v_i)
-    logits = ops.ag(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
+    logits = ops.column(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
     return logits.astype(_F32), tuple(k_out), tuple(v_out)
 
   specs = cache_specs(axis_name, layers)
@@ -696,18 +760,21 @@ class Jitted(NamedTuple):
 def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = "auto",
            decode_impl: str | None = None, attention: str | None = None,
            learning_rate: float = 1e-3, cache_len: int | None = None,
-           donate: bool = True) -> Jitted:
+           decode_activations: str = "sharded", donate: bool = True) -> Jitted:
   """`train_step(params, tokens, labels)`, `prefill(params, tokens, lengths)`
   and `decode_step(params, tokens, cache)`, jitted with these settings.
 
   With `donate`, train_step donates params and decode_step the cache (updated
-  in place); prefill needs `cache_len`.
+  in place); prefill needs `cache_len`; `decode_activations` is
+  decode_step's `activations`.
   """
+  _check_decode_activations(decode_activations)
   common = dict(config=config, axis_name=axis_name, mesh=mesh, impl=impl)
   train = jax.jit(functools.partial(train_step, learning_rate=learning_rate,
                                     attention=attention, **common),
                   donate_argnums=(0,) if donate else ())
   pre = jax.jit(functools.partial(prefill, cache_len=cache_len, attention=attention, **common))
-  dec = jax.jit(functools.partial(decode_step, decode_impl=decode_impl, **common),
+  dec = jax.jit(functools.partial(decode_step, decode_impl=decode_impl,
+                                  activations=decode_activations, **common),
                 donate_argnums=(2,) if donate else ())
   return Jitted(train, pre, dec)

@@ -146,9 +146,22 @@ def test_prefill_and_decode_steps_match_the_reference(d, impl):
   position. The cache holds 16 positions over D devices, so prompts and new
   tokens cross shard boundaries; the padding's keys and values stay in the
   cache and must be masked by the lengths."""
-  batch, seq, steps, cache_len = 4, 8, 3, 16
-  mesh, params, ref, gen = _setup(d, "decode", d, impl)
-  lengths = np.array([3, 8, 5, 1], np.int32)
+  _check_prefill_and_decode(d, impl, "sharded", [3, 8, 5, 1])
+
+
+@pytest.mark.parametrize("d,lengths", [(1, [3, 8, 5, 1]), (2, [3, 8, 5, 1]), (4, [3, 8, 5, 1]),
+                                       (2, [6, 2, 7]), (4, [6, 2, 7])])
+def test_decode_over_replicated_activations_matches_the_reference(d, lengths):
+  """activations="replicated" (local matmuls, an all-reduce after each
+  row-parallel one): the same steps as above, also with a batch of 3 that
+  does not split over D (refused with the activations sharded)."""
+  _check_prefill_and_decode(d, "auto", "replicated", lengths)
+
+
+def _check_prefill_and_decode(d, impl, activations, lengths):
+  batch, seq, steps, cache_len = len(lengths), 8, 3, 16
+  mesh, params, ref, gen = _setup(d, "decode", d, impl, activations)
+  lengths = np.array(lengths, np.int32)
   text = gen.integers(0, CONFIG.vocab, (batch, seq + steps)).astype(np.int32)
   prompts = np.where(np.arange(seq) < lengths[:, None], text[:, :seq], 0)
   # Sequence b reads text[b, :lengths[b]], then its decode tokens.
@@ -158,7 +171,8 @@ def test_prefill_and_decode_steps_match_the_reference(d, impl):
   common = dict(config=CONFIG, axis_name=AXIS, impl=impl)
   with jax.set_mesh(mesh):
     prefill = jax.jit(functools.partial(transformer.prefill, cache_len=cache_len, **common))
-    step = jax.jit(functools.partial(transformer.decode_step, **common), donate_argnums=2)
+    step = jax.jit(functools.partial(transformer.decode_step, activations=activations, **common),
+                   donate_argnums=2)
     logits, cache = prefill(params, testkit.put(mesh, prompts, P()),
                             testkit.put(mesh, lengths, P()))
     assert len(cache.k) == len(cache.v) == LAYERS
@@ -347,6 +361,28 @@ def test_choices_are_visible():
              for line in lines), lines
   assert any(line.startswith("decode attention: flash_decode: impl='auto' -> xla_bsp")
              for line in lines), lines
+
+
+def test_replicated_decode_activations_are_explained_and_checked():
+  """explain says what a decode step over replicated activations runs in
+  place of the collective matmuls; an unknown `activations` and, with the
+  activations sharded, a batch that does not split are refused by name."""
+  lines = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
+                              cache_len=32768, decode_activations="replicated")
+  assert "decode qkv: local matmul (activations replicated)" in lines, lines
+  assert "decode down: local matmul, then psum (activations replicated)" in lines, lines
+  assert any(line.startswith("decode attention: flash_decode:") for line in lines), lines
+  with pytest.raises(ValueError, match="activations='whole': expected 'sharded'"):
+    transformer.explain(CONFIG, axis_size=2, decode_activations="whole")
+  cache = jax.eval_shape(lambda: transformer.empty_cache(CONFIG, LAYERS, 3, 8))
+  params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), CONFIG, LAYERS))
+  step = functools.partial(transformer.decode_step, params, jnp.zeros((3,), jnp.int32), cache,
+                           config=CONFIG, axis_name=AXIS)
+  with jax.set_mesh(testkit.mesh_1d(2)):
+    with pytest.raises(ValueError, match="activations='whole'"):
+      step(activations="whole")
+    with pytest.raises(ValueError, match="B a multiple of the axis size 2"):
+      step()
 
 
 def test_pallas_on_cpu_says_why_not():

@@ -78,10 +78,12 @@ def test_training_gradients_match_the_xla_model(d):
     _close(g, w, f"gradient {jax.tree_util.keystr(path)}", rtol=5e-2)
 
 
+@pytest.mark.parametrize("activations", ["sharded", "replicated"])
 @pytest.mark.parametrize("d", [2, 4])
-def test_prefill_and_decode_match_the_xla_model(d):
+def test_prefill_and_decode_match_the_xla_model(d, activations):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
-  512-position cache, then three decode steps."""
+  512-position cache, then three decode steps, the `auto` model's over the
+  decode activations given, the XLA model's sharded."""
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
   cache_len, steps = 512, 3
@@ -95,7 +97,9 @@ def test_prefill_and_decode_match_the_xla_model(d):
       logits, cache = jax.jit(functools.partial(
           transformer.prefill, cache_len=cache_len, attention=attention, **common))(
               params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
-      step = jax.jit(functools.partial(transformer.decode_step, **common))
+      step = jax.jit(functools.partial(
+          transformer.decode_step, **common,
+          activations=activations if impl == "auto" else "sharded"))
       seen = [logits]
       for t in range(steps):
         logits, cache = step(params, testkit.put(mesh, tokens[:, t], P()), cache)
