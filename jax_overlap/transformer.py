@@ -424,8 +424,9 @@ def _embed(tokens, table, axis_name, *, replicated: bool = False):
 
 
 def _qkv(x, p, ops: _Ops, positions):
-  """This device's heads for the gathered rows, rotated: x [N / D, H] ->
-  q [N, Hq / D, Dh], k and v [N, Hkv / D, Dh]; positions [N] (or broadcastable)."""
+  """This device's heads for all N rows, rotated: x [N / D, H] (its rows;
+  [N, H] with `_ReplicatedOps`) -> q [N, Hq / D, Dh], k and v [N, Hkv / D,
+  Dh]; positions [N] (or broadcastable)."""
   c = ops.config
   w = p["w_qkv"]  # [H, Hkv / D * (G + 2) * Dh]
   qkv = ops.column(_rms_norm(x, p["norm_attn"], c.eps), w)
@@ -436,7 +437,8 @@ def _qkv(x, p, ops: _Ops, positions):
 
 
 def _mlp(x, p, ops: _Ops):
-  """x + SwiGLU(rms_norm(x)), per shard: x [N / D, H] -> [N / D, H]."""
+  """x + SwiGLU(rms_norm(x)), per shard: x [N / D, H] -> [N / D, H] ([N, H]
+  -> [N, H] with `_ReplicatedOps`)."""
   c = ops.config
   # w_gate_up [H, 2 F / D]: gate and up of this device's F / D columns, side by side
   gate_up = ops.column(_rms_norm(x, p["norm_mlp"], c.eps), p["w_gate_up"])
