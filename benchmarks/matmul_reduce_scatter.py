@@ -16,7 +16,8 @@ Cases:
             pallas_whole_rows, pallas_whole_rows_<change> (opt-in): the
             whole_rows design wherever it fits (with the default's
             handshake), as it is and with each of `WHOLE_ROWS_CHANGES`
-            (float32 partials, a release per device, both, XLA's barrier);
+            (float32 partials, a release per device, both, XLA's barrier,
+            fixed K splits);
             pallas_entry, pallas_barrier (opt-in): the default config with
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);

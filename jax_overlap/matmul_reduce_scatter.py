@@ -219,7 +219,7 @@ def matmul_reduce_scatter(x, w, *, axis_name, impl: str = "auto",
       `pallas_kernels.matmul_reduce_scatter.whole_rows_config(M // D, K_shard,
       N, dtype, axis_size=D, num_sms=...)` reads w once for every owner's rows
       and adds the partials in x's dtype (the default for <= 64 gathered rows
-      with K_shard >= 4096; GPU-tested at D = 2 and 4).
+      with K_shard >= 2048; GPU-tested at D = 2 and 4).
     w_transposed: w's layout, see `w`.
 
   Returns:

@@ -530,11 +530,6 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
     # them next, me - 1.
     receivers = [{axis_name: lax.rem(me + d - 1, d)}] if ring else peers
 
-    def announce(sems, local=None):
-      """Adds 1 to each peer semaphore of `sems` and to this device's `local`
-      (if given), after the stores they announce."""
-      signals.signal_devices(sems, local=local)
-
     def wait_group(k_idx, sources, chunk):
       """The memory warpgroup, before loading step k_idx: if it starts a
       group, the group of `chunk` is here from every device of `sources`."""
@@ -603,7 +598,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       def signal_group(k_idx):
         """stream: forwarded step k_idx has landed at the receivers."""
         group = sum(jnp.asarray(k_idx >= b, jnp.int32) for b in group_bounds[1:-1])
-        announce([plgpu.remote_ref(arrived.at[src, chunk, group], peer) for peer in receivers])
+        signals.signal_devices(
+            [plgpu.remote_ref(arrived.at[src, chunk, group], peer) for peer in receivers])
 
       def settle(k_idx):
         done = k_idx - settle_lag
@@ -624,7 +620,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           if not stream:
-            announce([plgpu.remote_ref(arrived.at[src, chunk, 0], peer) for peer in receivers])
+            signals.signal_devices(
+                [plgpu.remote_ref(arrived.at[src, chunk, 0], peer) for peer in receivers])
             return
           for k_idx in range(max(0, k_steps - settle_lag), k_steps):
             pl.when(forwarded(k_idx))(lambda k_idx=k_idx: signal_group(k_idx))
@@ -716,8 +713,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)
           group = sum((kp >= start).astype(jnp.int32) for start in group_starts[1:-1])
           # With whole_rows this device's tiles read its own rows there too.
-          announce([plgpu.remote_ref(arrived.at[me, chunk, group], peer) for peer in peers],
-                   local=arrived.at[me, chunk, group] if whole else None)
+          signals.signal_devices(
+              [plgpu.remote_ref(arrived.at[me, chunk, group], peer) for peer in peers],
+              local=arrived.at[me, chunk, group] if whole else None)
 
     if push_mode:
       pl.run_scoped(push, plgpu.SMEM((2, chunk_rows, push_cols), x.dtype),

@@ -14,6 +14,8 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 
+import reference
+
 @contextlib.contextmanager
 def parsed_flags(flag_values, argv: list[str]):
   """absl `flag_values` parsed from `argv` (argv[0] the program) inside the
@@ -88,10 +90,6 @@ def matmul_case_id(case) -> str:
   return f"D{d}-{m}x{k}x{n}-{dtype_id(dtype)}"
 
 
-# Unit roundoff of each output dtype (half its machine epsilon).
-_UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
-
-
 def assert_matmul_close(out, gathered, w, dtype, *, partial_sums: int = 1) -> None:
   """out == gathered @ w up to what a float32-accumulated, `dtype`-rounded
   matmul may differ from the exact (float64) product, per element:
@@ -116,7 +114,7 @@ def assert_matmul_close(out, gathered, w, dtype, *, partial_sums: int = 1) -> No
   assert np.all(np.isfinite(out64)), (
       f"{np.sum(~np.isfinite(out64))} non-finite outputs (tiles never written?)"
       f" at rows {sorted(set(np.nonzero(~np.isfinite(out64))[0].tolist()))[:8]}...")
-  u = _UNIT_ROUNDOFF[np.dtype(dtype).name]
+  u = reference.UNIT_ROUNDOFF[np.dtype(dtype).name]
   k = g64.shape[1]
   magnitude = np.abs(g64) @ np.abs(w64)
   rounding = u * np.abs(ref) if partial_sums == 1 else 2 * partial_sums * u * magnitude
