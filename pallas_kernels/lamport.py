@@ -1,0 +1,253 @@
+"""A one-shot all-reduce over persistent "Lamport" buffers (experimental).
+
+Each device stores its bf16 operand into a slot of every device's receive
+buffer and reads its own buffer's D slots until none holds the sentinel
+(-0.0, a bit pattern the senders never store: they turn -0.0 into +0.0, which
+changes no sum), then sums them in float32 in device order, so every device
+gets the same bits. No semaphore, no fence and no handshake is on the path:
+one NVLink store latency per call, where NCCL's and our kernels' exchanges
+pay 4-6 (benchmarks/NOTES.md, "Why a decode-size exchange in our kernels
+costs what NCCL's does").
+
+The buffers persist between calls, which is what makes the handshake
+unnecessary, so they are state that the caller threads through every call
+(`LamportState`, donated into the jitted step): three rotating buffers per
+device, each with a slot per source device. Call t stores into and reads
+buffer t mod 3 and refills buffer (t + 2) mod 3 with the sentinel: a peer is
+at most one call ahead (it cannot finish call t + 1 before this device has
+stored into it), so it writes only buffer (t + 1) mod 3, which call t - 1
+refilled, and never the one being read or refilled.
+
+That needs the receive buffers to stay at one address from call to call on
+every device: the peers' stores for call t + 1 may land while this device
+still runs call t, at the address the next call will read. So the state must
+be donated and never copied between calls; a block whose buffer addresses
+differ from its previous call's traps (the call fails) rather than risk a
+lost store. XLA skips its cross-device barrier before the launch: there are
+no semaphores for it to zero.
+
+Shapes (per device, inside `shard_map` over `axis_name` of size d):
+  x: [rows, cols] bfloat16, rows * cols a multiple of 8.
+  LamportState.buffers: [d, 3, rows * cols] bfloat16 (source, rotation,
+    element); LamportState.counts: [blocks * 128] int32 (each thread's call
+    count); LamportState.addresses: [blocks, 2 * (d + 1)] int32 (the buffers'
+    addresses at each block's last call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+from jax import lax
+from jax._src.pallas import mpmd
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import vma
+
+KERNEL_NAME = "lamport_all_reduce"
+SENTINEL_BITS = 0x8000  # bfloat16 -0.0
+ROTATION = 3
+THREADS = 128  # one warpgroup per block
+CHUNK = 8  # bf16 elements per 16-byte vector access
+# A slot still empty after this many reads (seconds) means a peer is not
+# storing into this call's buffer: the kernel traps instead of hanging.
+MAX_SPINS = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class LamportConfig:
+  """blocks: thread blocks of the kernel (each of 128 threads); a thread
+  handles every (blocks * 128)-th 16-byte chunk of the operand."""
+  blocks: int = 66
+
+
+class LamportState(NamedTuple):
+  """The persistent receive buffers of one all-reduce site (see module doc)."""
+  buffers: jax.Array
+  counts: jax.Array
+  addresses: jax.Array
+
+
+def state_shapes(rows: int, cols: int, d: int,
+                 config: LamportConfig = LamportConfig()) -> LamportState:
+  """Per-device shapes and dtypes of the state for an operand [rows, cols]."""
+  return LamportState(
+      buffers=jax.ShapeDtypeStruct((d, ROTATION, rows * cols), jnp.bfloat16),
+      counts=jax.ShapeDtypeStruct((config.blocks * THREADS,), jnp.int32),
+      addresses=jax.ShapeDtypeStruct((config.blocks, 2 * (d + 1)), jnp.int32))
+
+
+def init_state(rows: int, cols: int, d: int,
+               config: LamportConfig = LamportConfig()) -> LamportState:
+  """A fresh state for one device: every buffer holds the sentinel."""
+  shapes = state_shapes(rows, cols, d, config)
+  sentinel = lax.bitcast_convert_type(jnp.uint16(SENTINEL_BITS), jnp.bfloat16)
+  return LamportState(buffers=jnp.full(shapes.buffers.shape, sentinel),
+                      counts=jnp.zeros(shapes.counts.shape, jnp.int32),
+                      addresses=jnp.zeros(shapes.addresses.shape, jnp.int32))
+
+
+def _ptx(d: int, length: int, blocks: int) -> str:
+  """The whole kernel, per thread. Operands: $0 x, $1 out, $2 this device's
+  buffers, $3 counts, $4 addresses, $5.. each device's buffers from this
+  device's slot on (d of them)."""
+  chunks = length // CHUNK
+  stride = blocks * THREADS
+  rotation_bytes = length * 2
+  source_bytes = ROTATION * rotation_bytes
+  words = ("w0", "w1", "w2", "w3")
+  vec = "{w0, w1, w2, w3}"
+  dst = [f"${5 + j}" for j in range(d)]
+
+  def has_sentinel() -> str:
+    lines = []
+    for i, w in enumerate(words):
+      lines.append(f"and.b32 t, {w}, 65535;")
+      lines.append(f"setp.eq.u32 p, t, {SENTINEL_BITS};" if i == 0 else
+                   f"setp.eq.or.u32 p, t, {SENTINEL_BITS}, p;")
+      lines.append(f"shr.u32 t, {w}, 16;")
+      lines.append(f"setp.eq.or.u32 p, t, {SENTINEL_BITS}, p;")
+    return "\n".join(lines)
+
+  send = [f"add.u64 a, {dst[j]}, rot;\nadd.u64 a, a, off;\n"
+          f"st.volatile.global.v4.b32 [a], {vec};" for j in range(d)]
+  refill = [f"add.u64 a, $2, {j * source_bytes};\nadd.u64 a, a, old;\nadd.u64 a, a, off;\n"
+            "st.global.v4.b32 [a], {s, s, s, s};" for j in range(d)]
+  receive = []
+  for j in range(d):
+    receive.append(f"add.u64 a, $2, {j * source_bytes};\nadd.u64 a, a, rot;\nadd.u64 a, a, off;\n"
+                   f"mov.u32 spins, 0;\nPOLL{j}:\nld.volatile.global.v4.b32 {vec}, [a];\n{has_sentinel()}\n"
+                   f"@!p bra GOT{j};\nadd.u32 spins, spins, 1;\nsetp.gt.u32 q, spins, {MAX_SPINS};\n"
+                   f"@q trap;\nbra POLL{j};\nGOT{j}:")
+    for i, w in enumerate(words):
+      receive.append(f"shl.b32 t, {w}, 16;\nmov.b32 f, t;\nadd.f32 acc{2 * i}, acc{2 * i}, f;\n"
+                     f"and.b32 t, {w}, -65536;\nmov.b32 f, t;\nadd.f32 acc{2 * i + 1}, acc{2 * i + 1}, f;")
+  check = [f"ld.global.v2.b32 {{u0, u1}}, [row+{8 * k}];\n"
+           f"mov.b64 {{v0, v1}}, {ptr};\n"
+           "setp.ne.or.b32 q, u0, v0, q;\nsetp.ne.or.b32 q, u1, v1, q;\n"
+           f"st.global.v2.b32 [row+{8 * k}], {{v0, v1}};"
+           for k, ptr in enumerate(["$2", *dst])]
+  newline = "\n"
+  return f"""{{
+.reg .pred p, q, first;
+.reg .b32 spins, tid, cta, gt, cnt, slot, prev, t, s, z, w0, w1, w2, w3, u0, u1, v0, v1;
+.reg .f32 f, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7;
+.reg .b64 c, off, a, rot, old, row, cp;
+mov.b32 z, 0;
+mov.u32 tid, %tid.x;
+mov.u32 cta, %ctaid.x;
+mad.lo.u32 gt, cta, {THREADS}, tid;
+mul.wide.u32 cp, gt, 4;
+add.u64 cp, $3, cp;
+ld.global.u32 cnt, [cp];
+rem.u32 slot, cnt, {ROTATION};
+add.u32 prev, cnt, {ROTATION - 1};
+rem.u32 prev, prev, {ROTATION};
+mul.wide.u32 rot, slot, {rotation_bytes};
+mul.wide.u32 old, prev, {rotation_bytes};
+mov.b32 s, {SENTINEL_BITS * 0x10001};
+setp.eq.u32 first, tid, 0;
+@!first bra CHECKED;
+mul.wide.u32 row, cta, {8 * (d + 1)};
+add.u64 row, $4, row;
+setp.ne.u32 q, z, z;
+{newline.join(check)}
+setp.ne.and.u32 q, cnt, 0, q;
+@q trap;
+CHECKED:
+cvt.u64.u32 c, gt;
+SEND:
+setp.ge.u64 p, c, {chunks};
+@p bra SENT;
+shl.b64 off, c, 4;
+add.u64 a, $0, off;
+ld.global.nc.v4.b32 {vec}, [a];
+{newline.join(f"add.rn.bf16x2 {w}, {w}, z;" for w in words)}
+{newline.join(send)}
+{newline.join(refill)}
+add.u64 c, c, {stride};
+bra SEND;
+SENT:
+cvt.u64.u32 c, gt;
+RECEIVE:
+setp.ge.u64 p, c, {chunks};
+@p bra RECEIVED;
+shl.b64 off, c, 4;
+{newline.join(f"mov.f32 acc{k}, 0f00000000;" for k in range(2 * len(words)))}
+{newline.join(receive)}
+{newline.join(f"cvt.rn.bf16x2.f32 {w}, acc{2 * i + 1}, acc{2 * i};" for i, w in enumerate(words))}
+add.u64 a, $1, off;
+st.global.v4.b32 [a], {vec};
+add.u64 c, c, {stride};
+bra RECEIVE;
+RECEIVED:
+add.u32 cnt, cnt, 1;
+st.global.u32 [cp], cnt;
+}}"""
+
+
+def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
+               config: LamportConfig = LamportConfig()) -> tuple[jax.Array, LamportState]:
+  """The sum of `x` over `axis_name`, on every device; inside `shard_map`.
+
+  Args:
+    x: [rows, cols] bfloat16 on each device, rows * cols a multiple of 8.
+    state: this all-reduce site's `LamportState` (`init_state` before the
+      first call), as the previous call returned it; donate it to the jitted
+      step that calls this, and do not copy it between calls.
+    axis_name: the mesh axis to sum over (size d >= 2).
+    config: must be the one the state was made with.
+
+  Returns:
+    (out, state): out [rows, cols] bfloat16, the float32 sum of the devices'
+    x in device order rounded once to bfloat16, bitwise the same on every
+    device; the state for the next call.
+
+  Raises:
+    ValueError: x not bfloat16 or 2-D, rows * cols not a multiple of 8, or a
+      state whose shapes do not match x, d and config.
+  """
+  d = lax.axis_size(axis_name)
+  if x.ndim != 2 or x.dtype != jnp.bfloat16:
+    raise ValueError(f"lamport.all_reduce: x must be 2-D bfloat16, got {x.dtype}{list(x.shape)}")
+  rows, cols = x.shape
+  if (rows * cols) % CHUNK:
+    raise ValueError(f"lamport.all_reduce: x's rows * cols must be a multiple of {CHUNK}, "
+                     f"got {rows} * {cols}")
+  want = state_shapes(rows, cols, d, config)
+  got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+  if got != want:
+    raise ValueError(f"lamport.all_reduce: state {got} does not match x {list(x.shape)} "
+                     f"over {d} devices with {config}: make it with init_state({rows}, {cols}, "
+                     f"{d}, config)")
+  ptx = _ptx(d, rows * cols, config.blocks)
+
+  def body(x_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 1-3
+    me = lax.axis_index(axis_name)
+    peers = [plgpu.remote_ref(buffers.at[me], {axis_name: j}) for j in range(d)]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + d))
+    def run(_, *refs):
+      mgpu_utils.inline_ptx(ptx, *map(mgpu_utils.memref_ptr, refs), has_side_effects=True)
+
+    run(x_ref, out_ref, buffers, counts, addresses, *peers)
+
+  axes = vma.varying_axes(x, *state, axis_name=axis_name)
+  out_type = jax.ShapeDtypeStruct(
+      (rows, cols), x.dtype,
+      manual_axis_type=jax.typeof(x).manual_axis_type.update(varying=axes - {axis_name}))
+  mesh = plgpu.Mesh(grid=(config.blocks,), grid_names=("block",), kernel_name=KERNEL_NAME)
+  # plgpu.kernel takes no input_output_aliases, and a jax.new_ref of the
+  # state (varying over the axis) is refused: the private entry point of
+  # plgpu.kernel's own `pl.kernel` aliases the state in place.
+  out, *state = mpmd._mpmd_map(
+      [(mesh, body)], (out_type, *(jax.typeof(a) for a in state)), input_output_aliases={1: 1, 2: 2, 3: 3},
+      scratch_types=(), compiler_params=plgpu.CompilerParams(skip_device_barrier=True),
+      interpret=False, debug=False, cost_estimate=None, name=KERNEL_NAME, metadata=None,
+  )(x, *state)
+  return out, LamportState(*state)
