@@ -97,6 +97,7 @@ _VARIANTS = flags.DEFINE_list(
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
+    " fused_replicated_pallas (replicated, impl='pallas': the Lamport all-reduce kernel),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
     " the table compares fused and"
@@ -214,7 +215,9 @@ def variants() -> tuple[Variant, ...]:
   inside), fused_kernels (fused, `auto` taking the kernels wherever they
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
-  activations), and fused / bsp without XLA's dynamic-slice fusion."""
+  activations), fused_replicated_pallas (the same with impl="pallas": the
+  decode kernel and the Lamport all-reduce kernel), and fused / bsp without
+  XLA's dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
@@ -222,6 +225,7 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),
       Variant("bsp_replicated", "xla_bsp", decode, decode_activations="replicated"),
+      Variant("fused_replicated_pallas", "pallas", None, decode_activations="replicated"),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
@@ -472,6 +476,12 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   cache_abstract = transformer.KVCache(
       per_layer(specs.k), per_layer(specs.v),
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
+  exchange = None
+  if v.decode_activations == "replicated" and transformer.explain_decode_all_reduce(
+      config, axis_size=d, batch=b, impl=v.impl).impl == "pallas":
+    exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
+    cache_abstract = cache_abstract._replace(exchange=jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), exchange))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl,
                                  activations=v.decode_activations, **common),
                donate_argnums=(2,))
@@ -485,8 +495,8 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
           jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
       out_shardings=jax.tree.map(lambda a: a.sharding, cache_abstract))
   new_tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
-  figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()),
-                              lambda a, out: (*a[:2], out[1]), iterations, d)
+  figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()._replace(
+      exchange=exchange)), lambda a, out: (*a[:2], out[1]), iterations, d)
   return {**figures, "info": info}
 
 

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap import all_reduce as all_reduce_op
 from jax_overlap import sharded
 from jax_overlap.all_gather_matmul import all_gather_matmul
 from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
@@ -160,10 +161,16 @@ class KVCache(NamedTuple):
     step (two thirds of a decode step's HBM traffic; benchmarks/NOTES.md,
     model v4).
   lengths: [B] int32, tokens cached per sequence (replicated).
+  exchange: None, or the persistent buffers of the all-reduce kernel that a
+    decode step over replicated activations runs after its row-parallel
+    matmuls (`jax_overlap.all_reduce`; each array stacked over the devices,
+    sharded over the axis): `decode_step` makes it on its first call with
+    that kernel and threads it through every later one.
   """
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
+  exchange: all_reduce_op.AllReduceState | None = None
 
 
 def init_params(key, config: TransformerConfig, layers: int) -> dict:
@@ -308,9 +315,10 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   choices = ops(batch * seq, "step") if batch is not None and seq is not None else []
   if decode_batch is not None and cache_len is not None:
     if decode_activations == "replicated":
+      summed = explain_decode_all_reduce(c, axis_size=d, batch=decode_batch, impl=impl)
       choices += [(f"decode {name}", f"local matmul{then} (activations replicated)")
-                  for name, then in (("qkv", ""), ("o", ", then psum"), ("gate_up", ""),
-                                     ("down", ", then psum"), ("head", ""))]
+                  for name, then in (("qkv", ""), ("o", f", then {summed}"), ("gate_up", ""),
+                                     ("down", f", then {summed}"), ("head", ""))]
     else:
       choices += ops(decode_batch, "decode")
     choices.append(("decode attention", explain_flash_decode(
@@ -399,9 +407,10 @@ class _ReplicatedOps(_Ops):
   """The two matmuls over activations replicated on every device (a decode
   step's few rows with `activations="replicated"`): the column-parallel one
   is a local matmul, the row-parallel one ends in one all-reduce of the
-  partial products in x's dtype (as the BSP reduce-scatter's). A layer then
-  exchanges three times (the heads' gather, o's and down's all-reduce)
-  instead of five."""
+  partial products in x's dtype (as the BSP reduce-scatter's), through
+  `sum_over_axis`. A layer then exchanges three times (the heads' gather,
+  o's and down's all-reduce) instead of five."""
+  sum_over_axis: Callable[[jax.Array], jax.Array] = None
 
   def column(self, x, w):
     """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange."""
@@ -409,7 +418,49 @@ class _ReplicatedOps(_Ops):
 
   def row(self, x, w):
     """x [N, K / D] @ w [K / D, C], summed over the axis -> [N, C]."""
-    return lax.psum(jnp.dot(x, w, preferred_element_type=x.dtype), self.axis_name)
+    return self.sum_over_axis(jnp.dot(x, w, preferred_element_type=x.dtype))
+
+
+class _Exchanges:
+  """A decode step's all-reduces in program order, threading one
+  `all_reduce_op.AllReduceState` (None on the XLA path) from call to call."""
+
+  def __init__(self, state, axis_name: str, impl: str):
+    self.state, self._axis_name, self._impl = state, axis_name, impl
+
+  def __call__(self, x):
+    x, self.state = all_reduce_op.all_reduce(x, self.state, axis_name=self._axis_name,
+                                             impl=self._impl)
+    return x
+
+
+def all_reduce_impl_for(impl: str) -> str:
+  """The `all_reduce` impl of a model with collective `impl`: its own name
+  where all_reduce has it ("auto", "pallas"), else "xla"."""
+  return impl if impl in ("auto", "pallas") else "xla"
+
+
+def explain_decode_all_reduce(config, *, axis_size: int, batch: int, impl: str = "auto",
+                              axis_name=None):
+  """The `all_reduce` choice of a decode step of `batch` sequences over
+  replicated activations (its state given: `decode_step` makes one)."""
+  return all_reduce_op.explain(
+      jax.ShapeDtypeStruct((batch, config.hidden), config.dtype),
+      all_reduce_op.state_shapes(batch, config.hidden, axis_size), axis_size=axis_size,
+      impl=all_reduce_impl_for(impl), axis_name=axis_name)
+
+
+def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> all_reduce_op.AllReduceState:
+  """A fresh `KVCache.exchange` for decode steps of `batch` sequences over
+  replicated activations through the all-reduce kernel (each array stacked
+  over the axis's devices, sharded over it). `decode_step` makes one on its
+  first call; this is for a step compiled before it runs (its cache's
+  structure then includes the state from the start)."""
+  mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
+  d = mesh.shape[axis_name]
+  fresh = lambda: all_reduce_op.AllReduceState(
+      *(a[None] for a in all_reduce_op.init_state(batch, config.hidden, d)))
+  return jax.jit(jax.shard_map(fresh, mesh=mesh, in_specs=(), out_specs=P(axis_name)))()
 
 
 def _embed(tokens, table, axis_name, *, replicated: bool = False):
@@ -681,20 +732,23 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       gather. "replicated": all B rows on every device: the column-parallel
       matmuls are local and each row-parallel one ends in one all-reduce,
       three exchanges per layer; `impl` then applies to `flash_decode`
-      alone (decode_impl_for(impl)). The logits are the same up to rounding.
+      (decode_impl_for(impl)) and to the all-reduces
+      (`all_reduce_impl_for(impl)`). The logits are the same up to rounding.
 
   Returns:
     (logits [B, V] float32, vocabulary sharded over the axis; the cache with
     the new tokens' keys and values at position lengths[b], written by the
-    device holding that position, and lengths + 1). Jit it with the cache
-    donated, or every step copies the cache.
+    device holding that position, and lengths + 1; with replicated
+    activations and the all-reduce kernel, its `exchange` state too). Jit it
+    with the cache donated, or every step copies the cache (and the
+    all-reduce kernel, whose buffers must stay in place, fails).
   """
   _check_decode_activations(activations)
   replicated = activations == "replicated"
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
-  if replicated:
-    ops = _ReplicatedOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(_Ops)})
   b = tokens.shape[0]
+  kernel_exchanges = replicated and explain_decode_all_reduce(
+      config, axis_size=d, batch=b, impl=impl, axis_name=axis_name).impl == "pallas"
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
     raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"
@@ -707,8 +761,14 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
                      f" of {d}; got tokens {tuple(tokens.shape)}.")
   c = config
 
-  def body(params, tokens, k_cache, v_cache, lengths):
+  def body(params, tokens, k_cache, v_cache, lengths, exchange):
     me = lax.axis_index(axis_name)
+    if kernel_exchanges:
+      exchange = (all_reduce_op.init_state(b, c.hidden, d) if exchange is None
+                  else all_reduce_op.AllReduceState(*(a[0] for a in exchange)))
+    exchanges = _Exchanges(exchange, axis_name, all_reduce_impl_for(impl))
+    layer_ops = (_ReplicatedOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(_Ops)},
+                                sum_over_axis=exchanges) if replicated else ops)
     s_shard = k_cache[0].shape[1]
     # Where the new token goes on this device (S_shard: not here, dropped).
     slot = lengths - me * s_shard
@@ -723,7 +783,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       return [a.reshape(b, -1, a.shape[-1]) for a in jnp.split(whole, bounds, axis=2)]
 
     def layer(x, p, k_cache, v_cache):
-      q, k, v = everywhere(*_qkv(x, p, ops, lengths))
+      q, k, v = everywhere(*_qkv(x, p, layer_ops, lengths))
       # The cache holds every head of its positions (in place, when donated).
       k_cache = k_cache.at[batch, slot].set(k, mode="drop")
       v_cache = v_cache.at[batch, slot].set(v, mode="drop")
@@ -731,8 +791,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
                        kv_lens=lengths + 1, impl=ops.decode_impl)
       heads = c.q_heads // d
       mine = lax.dynamic_slice_in_dim(o, me * heads, heads, 1)  # this device's heads
-      x = x + ops.row(mine.reshape(b, -1), p["w_o"])
-      return _mlp(x, p, ops), k_cache, v_cache
+      x = x + layer_ops.row(mine.reshape(b, -1), p["w_o"])
+      return _mlp(x, p, layer_ops), k_cache, v_cache
 
     # The layers unrolled, not scanned: each layer's cache is its own buffer.
     x = _embed(tokens, params["embed"], axis_name, replicated=replicated)
@@ -742,14 +802,22 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
                           k_cache[i], v_cache[i])
       k_out.append(k_i)
       v_out.append(v_i)
-    logits = ops.column(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
-    return logits.astype(_F32), tuple(k_out), tuple(v_out)
+    logits = layer_ops.column(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
+    exchange = None if exchanges.state is None else all_reduce_op.AllReduceState(
+        *(a[None] for a in exchanges.state))
+    return logits.astype(_F32), tuple(k_out), tuple(v_out), exchange
 
   specs = cache_specs(axis_name, layers)
-  logits, k, v = sharded.shard_map_args(
-      body, mesh, (param_specs(axis_name), P(), specs.k, specs.v, P()),
-      (P(None, axis_name), specs.k, specs.v), params, tokens, cache.k, cache.v, cache.lengths)
-  return logits, KVCache(k, v, cache.lengths + 1)
+  exchange_in = cache.exchange if kernel_exchanges else None
+  exchange_specs = (all_reduce_op.AllReduceState(*[P(axis_name)] * 3) if kernel_exchanges
+                    else None)
+  logits, k, v, exchange = sharded.shard_map_args(
+      body, mesh,
+      (param_specs(axis_name), P(), specs.k, specs.v, P(),
+       None if exchange_in is None else exchange_specs),
+      (P(None, axis_name), specs.k, specs.v, exchange_specs),
+      params, tokens, cache.k, cache.v, cache.lengths, exchange_in)
+  return logits, KVCache(k, v, cache.lengths + 1, exchange)
 
 
 class Jitted(NamedTuple):

@@ -63,7 +63,17 @@ MAX_SPINS = 1 << 24
 class LamportConfig:
   """blocks: thread blocks of the kernel (each of 128 threads); a thread
   handles every (blocks * 128)-th 16-byte chunk of the operand."""
-  blocks: int = 66
+  blocks: int = 132
+
+
+# Blocks may share an SM (32 registers a thread, no shared memory): up to
+# this many, so that each thread has one chunk or few.
+MAX_BLOCKS = 1056
+
+
+def default_config(rows: int, cols: int) -> LamportConfig:
+  """One 16-byte chunk per thread, up to MAX_BLOCKS blocks."""
+  return LamportConfig(blocks=max(1, min(MAX_BLOCKS, -(-rows * cols // (CHUNK * THREADS)))))
 
 
 class LamportState(NamedTuple):
@@ -74,8 +84,10 @@ class LamportState(NamedTuple):
 
 
 def state_shapes(rows: int, cols: int, d: int,
-                 config: LamportConfig = LamportConfig()) -> LamportState:
-  """Per-device shapes and dtypes of the state for an operand [rows, cols]."""
+                 config: LamportConfig | None = None) -> LamportState:
+  """Per-device shapes and dtypes of the state for an operand [rows, cols]
+  (config None: `default_config`)."""
+  config = config or default_config(rows, cols)
   return LamportState(
       buffers=jax.ShapeDtypeStruct((d, ROTATION, rows * cols), jnp.bfloat16),
       counts=jax.ShapeDtypeStruct((config.blocks * THREADS,), jnp.int32),
@@ -83,13 +95,37 @@ def state_shapes(rows: int, cols: int, d: int,
 
 
 def init_state(rows: int, cols: int, d: int,
-               config: LamportConfig = LamportConfig()) -> LamportState:
+               config: LamportConfig | None = None) -> LamportState:
   """A fresh state for one device: every buffer holds the sentinel."""
   shapes = state_shapes(rows, cols, d, config)
   sentinel = lax.bitcast_convert_type(jnp.uint16(SENTINEL_BITS), jnp.bfloat16)
   return LamportState(buffers=jnp.full(shapes.buffers.shape, sentinel),
                       counts=jnp.zeros(shapes.counts.shape, jnp.int32),
                       addresses=jnp.zeros(shapes.addresses.shape, jnp.int32))
+
+
+def check_state(rows: int, cols: int, d: int, state: LamportState,
+                config: LamportConfig | None = None) -> None:
+  """Raises ValueError unless `state` (arrays or `jax.ShapeDtypeStruct`s)
+  has `state_shapes(rows, cols, d, config)`."""
+  want = tuple(state_shapes(rows, cols, d, config))
+  got = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state)
+  if got != want:
+    raise ValueError(f"state {got} does not fit x [{rows}, {cols}] over {d} devices: expected"
+                     f" {want}; make it with init_state({rows}, {cols}, {d}).")
+
+
+def check_operands(x, state: LamportState, d: int, config: LamportConfig | None = None) -> None:
+  """Raises ValueError unless x is a 2-D bfloat16 [rows, cols] with rows *
+  cols a multiple of 8 and `state` fits it (`check_state`)."""
+  if len(x.shape) != 2 or x.dtype != jnp.bfloat16:
+    raise ValueError(f"x must be 2-D bfloat16 for the Lamport all-reduce, got "
+                     f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+  rows, cols = x.shape
+  if (rows * cols) % CHUNK:
+    raise ValueError(f"x's rows * cols must be a multiple of {CHUNK} for the Lamport all-reduce,"
+                     f" got {rows} * {cols}")
+  check_state(rows, cols, d, state, config)
 
 
 def _ptx(d: int, length: int, blocks: int) -> str:
@@ -192,7 +228,7 @@ st.global.u32 [cp], cnt;
 
 
 def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
-               config: LamportConfig = LamportConfig()) -> tuple[jax.Array, LamportState]:
+               config: LamportConfig | None = None) -> tuple[jax.Array, LamportState]:
   """The sum of `x` over `axis_name`, on every device; inside `shard_map`.
 
   Args:
@@ -201,7 +237,7 @@ def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
       first call), as the previous call returned it; donate it to the jitted
       step that calls this, and do not copy it between calls.
     axis_name: the mesh axis to sum over (size d >= 2).
-    config: must be the one the state was made with.
+    config: the one the state was made with (None: `default_config`).
 
   Returns:
     (out, state): out [rows, cols] bfloat16, the float32 sum of the devices'
@@ -213,18 +249,9 @@ def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
       state whose shapes do not match x, d and config.
   """
   d = lax.axis_size(axis_name)
-  if x.ndim != 2 or x.dtype != jnp.bfloat16:
-    raise ValueError(f"lamport.all_reduce: x must be 2-D bfloat16, got {x.dtype}{list(x.shape)}")
+  config = config or default_config(*x.shape)
+  check_operands(x, state, d, config)
   rows, cols = x.shape
-  if (rows * cols) % CHUNK:
-    raise ValueError(f"lamport.all_reduce: x's rows * cols must be a multiple of {CHUNK}, "
-                     f"got {rows} * {cols}")
-  want = state_shapes(rows, cols, d, config)
-  got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-  if got != want:
-    raise ValueError(f"lamport.all_reduce: state {got} does not match x {list(x.shape)} "
-                     f"over {d} devices with {config}: make it with init_state({rows}, {cols}, "
-                     f"{d}, config)")
   ptx = _ptx(d, rows * cols, config.blocks)
 
   def body(x_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 1-3

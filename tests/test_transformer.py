@@ -370,7 +370,11 @@ def test_replicated_decode_activations_are_explained_and_checked():
   lines = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
                               cache_len=32768, decode_activations="replicated")
   assert "decode qkv: local matmul (activations replicated)" in lines, lines
-  assert "decode down: local matmul, then psum (activations replicated)" in lines, lines
+  down = next(line for line in lines if line.startswith("decode down: local matmul, then"))
+  assert "all_reduce: impl='auto' -> xla; pallas rejected: the Pallas kernels need" in down, down
+  pallas = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
+                               cache_len=32768, decode_activations="replicated", impl="xla_bsp")
+  assert any("all_reduce: impl='xla' -> xla" in line for line in pallas), pallas
   assert any(line.startswith("decode attention: flash_decode:") for line in lines), lines
   with pytest.raises(ValueError, match="activations='whole': expected 'sharded'"):
     transformer.explain(CONFIG, axis_size=2, decode_activations="whole")

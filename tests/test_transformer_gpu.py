@@ -78,12 +78,15 @@ def test_training_gradients_match_the_xla_model(d):
     _close(g, w, f"gradient {jax.tree_util.keystr(path)}", rtol=5e-2)
 
 
-@pytest.mark.parametrize("activations", ["sharded", "replicated"])
+@pytest.mark.parametrize("activations, decode_impl", [
+    ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas")])
 @pytest.mark.parametrize("d", [2, 4])
-def test_prefill_and_decode_match_the_xla_model(d, activations):
+def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
-  512-position cache, then three decode steps, the `auto` model's over the
-  decode activations given, the XLA model's sharded."""
+  512-position cache, then three decode steps (the cache donated), the
+  `auto` model's prefill and its decode with `decode_impl` over the decode
+  activations given ("pallas" over replicated ones: the Lamport all-reduce
+  kernel, its state in the cache), the XLA model's sharded."""
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
   cache_len, steps = 512, 3
@@ -98,8 +101,8 @@ def test_prefill_and_decode_match_the_xla_model(d, activations):
           transformer.prefill, cache_len=cache_len, attention=attention, **common))(
               params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
       step = jax.jit(functools.partial(
-          transformer.decode_step, **common,
-          activations=activations if impl == "auto" else "sharded"))
+          transformer.decode_step, **{**common, "impl": decode_impl if impl == "auto" else impl},
+          activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
       seen = [logits]
       for t in range(steps):
         logits, cache = step(params, testkit.put(mesh, tokens[:, t], P()), cache)
@@ -112,3 +115,8 @@ def test_prefill_and_decode_match_the_xla_model(d, activations):
     _close(got_cache.k[layer], want_cache.k[layer], f"cache k, layer {layer}")
     _close(got_cache.v[layer], want_cache.v[layer], f"cache v, layer {layer}")
   np.testing.assert_array_equal(got_cache.lengths, lengths + steps)
+  # Two all-reduces per layer per step through the kernel's state, or none.
+  if decode_impl == "pallas":
+    assert (np.asarray(got_cache.exchange.counts) == 2 * LAYERS * steps).all()
+  else:
+    assert got_cache.exchange is None

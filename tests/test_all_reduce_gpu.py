@@ -1,0 +1,139 @@
+"""jax_overlap.all_reduce's Lamport kernel on Hopper GPUs at D = 2 and 4.
+
+Every device's output of every checked call must equal, bit for bit, the
+float32 sum of the devices' bf16 operands in device order rounded once to
+bf16 (the kernel's contract), with zeros of both signs in the operands; calls
+threaded through one donated state (the buffers' rotation wraps many times),
+under `lax.scan`, and two states interleaved with other collectives in one
+program. The buffers' addresses, which the kernel records, must not move.
+
+Marked `gpu`: skipped without 2+ Hopper GPUs (tests/conftest.py).
+"""
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap import all_reduce as all_reduce_op
+import testkit
+from testkit import AXIS
+
+# A kernel whose peer never stores spins until its trap (seconds); a hang
+# anywhere else must still end the test.
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300, method="thread")]
+
+
+def _unstack(state):
+  return all_reduce_op.AllReduceState(*(a[0] for a in state))
+
+
+def _stack(state):
+  return all_reduce_op.AllReduceState(*(a[None] for a in state))
+
+
+def _state(mesh, d, rows, cols):
+  make = lambda: _stack(all_reduce_op.init_state(rows, cols, d))
+  return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=P(AXIS)))()
+
+
+def _expected(x):
+  """[D, ...] bf16 -> the float32 sum over D in order, rounded once to bf16."""
+  x = np.asarray(x, np.float32)
+  total = np.zeros(x.shape[1:], np.float32)
+  for part in x:
+    total = total + part
+  return np.asarray(jnp.asarray(total).astype(jnp.bfloat16), np.float32)
+
+
+def _check(out, x, what):
+  want, got = _expected(x), np.asarray(out, np.float32)
+  for i, device in enumerate(got):
+    bad = np.flatnonzero(device != want)
+    assert bad.size == 0, (f"{what}, device {i}: {bad.size} of {want.size} elements differ,"
+                           f" first at {np.unravel_index(bad[0], want.shape)}")
+
+
+def _operands(gen, d, rows, cols, signed_zeros=True):
+  x = testkit.normal(gen, (d, rows, cols), jnp.bfloat16)
+  if signed_zeros:  # -0.0 is the kernel's empty value: it must never be stored
+    x[:, 0, : min(cols, 16)] = -0.0
+    x[0, -1, :4] = 0.0
+  return x
+
+
+def _addresses(state, d):
+  """Each device's record of block 0: its own buffers, then each device's."""
+  words = np.asarray(state.addresses).reshape(d, -1, 2 * (d + 1))[:, 0].astype(np.uint32)
+  return words[:, 0::2].astype(np.uint64) | (words[:, 1::2].astype(np.uint64) << np.uint64(32))
+
+
+@pytest.mark.parametrize("rows, cols", [(32, 8192), (3, 1000)])
+@pytest.mark.parametrize("d", [2, 4])
+def test_repeated_calls_through_one_donated_state(d, rows, cols):
+  mesh = testkit.mesh_1d(d)
+  gen = testkit.rng("all_reduce_gpu", d, rows)
+
+  def per(x, state):
+    out, state = all_reduce_op.all_reduce(x[0], _unstack(state), axis_name=AXIS, impl="pallas")
+    return out[None], _stack(state)
+
+  step = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=(P(AXIS), P(AXIS))), donate_argnums=1)
+  state = _state(mesh, d, rows, cols)
+  first = None
+  for call in range(20):
+    x = _operands(gen, d, rows, cols, signed_zeros=call % 2 == 0)
+    out, state = step(testkit.put(mesh, x, P(AXIS)), state)
+    _check(out, x, f"call {call}")
+    where = _addresses(state, d)
+    if first is None:
+      first = where
+    np.testing.assert_array_equal(where, first, err_msg=f"buffers moved at call {call}")
+  # Every device sees the peers' buffers where their owners do.
+  for i in range(d):
+    np.testing.assert_array_equal(where[:, 1 + i], where[i, 0])
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_scan_and_two_states_interleaved_with_other_collectives(d):
+  """Per step of a 12-step scan: an all-reduce on state A, a psum, an
+  all-reduce on state B of another shape, an all-gather; the program run 3
+  times with both states donated."""
+  mesh = testkit.mesh_1d(d)
+  gen = testkit.rng("all_reduce_gpu_scan", d)
+  steps, (ra, ca), (rb, cb) = 12, (8, 4096), (16, 1024)
+
+  def per(xa, xb, state_a, state_b):
+    def body(states, xs):
+      a, b = states
+      out_a, a = all_reduce_op.all_reduce(xs[0], a, axis_name=AXIS, impl="pallas")
+      bump = lax.psum(jnp.ones((), jnp.float32), AXIS)
+      out_b, b = all_reduce_op.all_reduce((xs[1] * (bump / d)).astype(xs[1].dtype), b,
+                                          axis_name=AXIS, impl="pallas")
+      gathered = lax.all_gather(out_b[:1], AXIS, tiled=True)
+      return (a, b), (out_a, out_b, gathered)
+
+    (a, b), (out_a, out_b, gathered) = lax.scan(
+        body, (_unstack(state_a), _unstack(state_b)), (xa[0], xb[0]))
+    return out_a[None], out_b[None], gathered[None], _stack(a), _stack(b)
+
+  run = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 4,
+                              out_specs=(P(AXIS),) * 5), donate_argnums=(2, 3))
+  state_a, state_b = _state(mesh, d, ra, ca), _state(mesh, d, rb, cb)
+  for call in range(3):
+    xa = testkit.normal(gen, (d, steps, ra, ca), jnp.bfloat16)
+    xb = testkit.normal(gen, (d, steps, rb, cb), jnp.bfloat16)
+    out_a, out_b, gathered, state_a, state_b = run(
+        testkit.put(mesh, xa, P(AXIS)), testkit.put(mesh, xb, P(AXIS)), state_a, state_b)
+    out_a, out_b, gathered = map(np.asarray, (out_a, out_b, gathered))
+    for t in range(steps):
+      _check(out_a[:, t], xa[:, t], f"call {call} step {t} state A")
+      _check(out_b[:, t], xb[:, t], f"call {call} step {t} state B")
+      want = np.tile(_expected(xb[:, t])[:1], (d, 1))
+      for i in range(d):
+        np.testing.assert_array_equal(np.asarray(gathered[i, t], np.float32), want)
