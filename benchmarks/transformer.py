@@ -476,6 +476,7 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   cache_abstract = transformer.KVCache(
       per_layer(specs.k), per_layer(specs.v),
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
+  cache_shardings = jax.tree.map(lambda a: a.sharding, cache_abstract)
   exchange = None
   if v.decode_activations == "replicated" and transformer.explain_decode_all_reduce(
       config, axis_size=d, batch=b, impl=v.impl).impl == "pallas":
@@ -493,7 +494,7 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
       lambda: transformer.KVCache(
           *(tuple(jnp.zeros(shape, config.dtype) for _ in range(layers)) for _ in "kv"),
           jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
-      out_shardings=jax.tree.map(lambda a: a.sharding, cache_abstract))
+      out_shardings=cache_shardings)
   new_tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
   figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()._replace(
       exchange=exchange)), lambda a, out: (*a[:2], out[1]), iterations, d)

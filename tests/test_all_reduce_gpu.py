@@ -94,9 +94,12 @@ def test_repeated_calls_through_one_donated_state(d, rows, cols):
     if first is None:
       first = where
     np.testing.assert_array_equal(where, first, err_msg=f"buffers moved at call {call}")
-  # Every device sees the peers' buffers where their owners do.
+  # Device i stores into device j's buffers at its own source slot, where j
+  # has them.
+  slot_bytes = 3 * rows * cols * 2
   for i in range(d):
-    np.testing.assert_array_equal(where[:, 1 + i], where[i, 0])
+    for j in range(d):
+      assert where[i, 1 + j] == where[j, 0] + i * slot_bytes, (i, j, where)
 
 
 @pytest.mark.parametrize("d", [2, 4])
