@@ -58,6 +58,11 @@ def _pallas_support(p: Problem) -> str | None:
     return reason
   if jax.process_count() > 1:
     return "the kernel's persistent buffers have not been run across processes yet."
+  if not platform.dynamic_slice_fusion_off():
+    return ("its state must stay in place from call to call, and XLA's dynamic-slice fusion"
+            " copies a state carried through a lax.scan body before the kernel (4 H200s, session"
+            " 43: the kernel trapped on a lost store); start the job with"
+            f" XLA_FLAGS={platform.LOOP_FLAG}.")
   if p.axis_size < 2:
     return f"the axis has {p.axis_size} device: nothing to exchange."
   if p.dtype != jnp.bfloat16:
@@ -108,9 +113,10 @@ def all_reduce(x, state=None, *, axis_name, impl: str = "auto"):
     axis_name: the mesh axis to sum over (size D), bound by shard_map.
     impl: "auto" tries, in order:
       "pallas": the Lamport-buffer kernel (Hopper, one process, D >= 2,
-        bf16, rows * cols a multiple of 8, a state): one store of x into
-        every device's buffer, no handshake; experimental: "auto" does not
-        take it yet;
+        bf16, rows * cols a multiple of 8, a state, XLA's dynamic-slice
+        fusion off: `pallas_kernels.platform.LOOP_FLAG` in XLA_FLAGS): one
+        store of x into every device's buffer, no handshake; experimental:
+        "auto" does not take it yet;
       "xla": `lax.psum` in x's dtype.
       A named impl that cannot run raises. See `explain`.
 

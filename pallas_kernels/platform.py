@@ -140,6 +140,15 @@ LOOP_FLAG_NAME = "--xla_gpu_enable_dynamic_slice_fusion"
 LOOP_FLAG = f"{LOOP_FLAG_NAME}=false"
 
 
+def dynamic_slice_fusion_off(xla_flags: str | None = None) -> bool:
+  """Whether `xla_flags` (default: the environment's XLA_FLAGS) turn XLA's
+  dynamic-slice fusion off (`LOOP_FLAG`; the last setting wins)."""
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  values = [f.split("=", 1)[1].lower() for f in flags.split()
+            if f.startswith(LOOP_FLAG_NAME + "=")]
+  return bool(values) and values[-1] in ("false", "0")
+
+
 def loop_fusion_reason(xla_flags: str | None = None) -> str | None:
   """None if a fused kernel inside a loop (`lax.scan`, a model's layers) can
   run in this job, else why not and the fix.
@@ -154,12 +163,7 @@ def loop_fusion_reason(xla_flags: str | None = None) -> str | None:
   XLA_FLAGS when its backend starts: set it before the job's first JAX
   call. `xla_flags`: the flags to read (default: the environment's).
   """
-  if jax.process_count() == 1:
-    return None
-  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-  values = [f.split("=", 1)[1].lower() for f in flags.split()
-            if f.startswith(LOOP_FLAG_NAME + "=")]
-  if values and values[-1] in ("false", "0"):
+  if jax.process_count() == 1 or dynamic_slice_fusion_off(xla_flags):
     return None
   return (
       "in a multi-process job a fused kernel inside a loop fails in NCCL's window registration"

@@ -64,6 +64,10 @@ def test_kernel_support_names_what_is_missing(monkeypatch):
   """Past the platform check, each unsupported argument gets its own reason."""
   monkeypatch.setattr(all_reduce_op.platform, "hopper_unavailable_reason", lambda: None)
   problem = functools.partial(all_reduce_op.Problem, 4, 32, 8192, jnp.dtype(jnp.bfloat16))
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=true")
+  assert "XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false" in all_reduce_op._pallas_support(
+      problem(True))
+  monkeypatch.setenv("XLA_FLAGS", "--foo --xla_gpu_enable_dynamic_slice_fusion=false")
   assert all_reduce_op._pallas_support(problem(True)) is None
   assert "pass state=init_state(rows, cols, axis_size)" in all_reduce_op._pallas_support(
       problem(False))
