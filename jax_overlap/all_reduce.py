@@ -8,8 +8,9 @@ a state that the caller threads through every call, donated (see
 `pallas_kernels.lamport`). The XLA path is `lax.psum` and passes the state
 through.
 
-    state = init_state(rows, cols, axis_size)           # inside shard_map
-    out, state = all_reduce(x, state, axis_name="tp")   # every call
+    state = init_state(rows, cols, axis_size)   # inside shard_map, its own
+                                                # program, awaited everywhere
+    out, state = all_reduce(x, state, axis_name="tp")   # every call, donated
 """
 
 import dataclasses
@@ -44,7 +45,13 @@ def init_state(rows: int, cols: int, axis_size: int) -> AllReduceState:
   over an axis of `axis_size` devices, for one device (inside shard_map: each
   device's own). One state may serve every all-reduce of that shape in a
   program and across calls, as long as each device makes the same calls in
-  the same order."""
+  the same order.
+
+  Make it in a program of its own and wait for it on every device
+  (`jax.block_until_ready`) before the first all-reduce: a peer's first
+  store must not land before this device's buffers hold the empty value, or
+  the fill erases it and the call traps (a state made in the all-reduce's own
+  program did: 2 H200s, session 43)."""
   return lamport.init_state(rows, cols, axis_size)
 
 

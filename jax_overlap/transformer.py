@@ -164,8 +164,8 @@ class KVCache(NamedTuple):
   exchange: None, or the persistent buffers of the all-reduce kernel that a
     decode step over replicated activations runs after its row-parallel
     matmuls (`jax_overlap.all_reduce`; each array stacked over the devices,
-    sharded over the axis): `decode_step` makes it on its first call with
-    that kernel and threads it through every later one.
+    sharded over the axis): `exchange_state` makes it, `decode_step` needs
+    it with that kernel and threads it through every call.
   """
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
@@ -453,14 +453,20 @@ def explain_decode_all_reduce(config, *, axis_size: int, batch: int, impl: str =
 def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> all_reduce_op.AllReduceState:
   """A fresh `KVCache.exchange` for decode steps of `batch` sequences over
   replicated activations through the all-reduce kernel (each array stacked
-  over the axis's devices, sharded over it). `decode_step` makes one on its
-  first call; this is for a step compiled before it runs (its cache's
-  structure then includes the state from the start)."""
+  over the axis's devices, sharded over it): `cache._replace(exchange=...)`
+  before the first such step.
+
+  It returns once every device holds its state: a peer's first store must
+  not land before this device's buffers are filled with the kernel's empty
+  value, or the fill erases it (a state made inside the step's own program
+  lost a store that way: 2 H200s, session 43).
+  """
   mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
   d = mesh.shape[axis_name]
   fresh = lambda: all_reduce_op.AllReduceState(
       *(a[None] for a in all_reduce_op.init_state(batch, config.hidden, d)))
-  return jax.jit(jax.shard_map(fresh, mesh=mesh, in_specs=(), out_specs=P(axis_name)))()
+  return jax.block_until_ready(
+      jax.jit(jax.shard_map(fresh, mesh=mesh, in_specs=(), out_specs=P(axis_name)))())
 
 
 def _embed(tokens, table, axis_name, *, replicated: bool = False):
@@ -739,9 +745,14 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     (logits [B, V] float32, vocabulary sharded over the axis; the cache with
     the new tokens' keys and values at position lengths[b], written by the
     device holding that position, and lengths + 1; with replicated
-    activations and the all-reduce kernel, its `exchange` state too). Jit it
-    with the cache donated, or every step copies the cache (and the
-    all-reduce kernel, whose buffers must stay in place, fails).
+    activations and the all-reduce kernel, its `exchange` state, which the
+    cache must hold: `exchange_state`). Jit it with the cache donated, or
+    every step copies the cache (and the all-reduce kernel, whose buffers
+    must stay in place, fails).
+
+  Raises:
+    ValueError: as for `loss`; the all-reduce kernel chosen and
+      cache.exchange None.
   """
   _check_decode_activations(activations)
   replicated = activations == "replicated"
@@ -749,6 +760,11 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
   b = tokens.shape[0]
   kernel_exchanges = replicated and explain_decode_all_reduce(
       config, axis_size=d, batch=b, impl=impl, axis_name=axis_name).impl == "pallas"
+  if kernel_exchanges and cache.exchange is None:
+    raise ValueError(
+        "cache.exchange is None, but this decode step sums through the all-reduce kernel, which"
+        " needs its persistent buffers: cache = cache._replace(exchange=transformer.exchange_state("
+        f"config, {b}, axis_name={axis_name!r})) before the first step (or impl='xla_bsp').")
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
     raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"
@@ -763,9 +779,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
 
   def body(params, tokens, k_cache, v_cache, lengths, exchange):
     me = lax.axis_index(axis_name)
-    if kernel_exchanges:
-      exchange = (all_reduce_op.init_state(b, c.hidden, d) if exchange is None
-                  else all_reduce_op.AllReduceState(*(a[0] for a in exchange)))
+    if exchange is not None:
+      exchange = all_reduce_op.AllReduceState(*(a[0] for a in exchange))
     exchanges = _Exchanges(exchange, axis_name, all_reduce_impl_for(impl))
     layer_ops = (_ReplicatedOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(_Ops)},
                                 sum_over_axis=exchanges) if replicated else ops)
@@ -812,9 +827,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
   exchange_specs = (all_reduce_op.AllReduceState(*[P(axis_name)] * 3) if kernel_exchanges
                     else None)
   logits, k, v, exchange = sharded.shard_map_args(
-      body, mesh,
-      (param_specs(axis_name), P(), specs.k, specs.v, P(),
-       None if exchange_in is None else exchange_specs),
+      body, mesh, (param_specs(axis_name), P(), specs.k, specs.v, P(), exchange_specs),
       (P(None, axis_name), specs.k, specs.v, exchange_specs),
       params, tokens, cache.k, cache.v, cache.lengths, exchange_in)
   return logits, KVCache(k, v, cache.lengths + 1, exchange)

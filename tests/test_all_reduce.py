@@ -155,10 +155,10 @@ def _fake_kernel(x, state, *, axis_name, config=None):
 
 
 def test_decode_step_threads_the_kernel_state_through_its_calls(monkeypatch):
-  """With the kernel's all-reduce chosen (a stand-in here), the first decode
-  step makes the state, every later one takes it from the cache and hands
-  it on: two all-reduces per layer per step, and the logits of the psum
-  model."""
+  """With the kernel's all-reduce chosen (a stand-in here), a decode step
+  refuses a cache without the kernel's state, and threads the state that
+  `exchange_state` made through its calls: two all-reduces per layer per
+  step, and the logits of the psum model."""
   monkeypatch.setattr(all_reduce_op, "_OP", dispatch.Op(all_reduce_op.OP, {
       "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
   monkeypatch.setattr(all_reduce_op.lamport, "all_reduce", _fake_kernel)
@@ -177,6 +177,11 @@ def test_decode_step_threads_the_kernel_state_through_its_calls(monkeypatch):
       cache = jax.tree.map(lambda a, s: jax.reshard(a, s),
                            transformer.empty_cache(config, layers, batch, 16),
                            transformer.cache_specs(AXIS, layers))
+      if impl == "pallas":
+        with pytest.raises(ValueError, match=r"cache.exchange is None.*exchange_state\("):
+          step(params, tokens, cache)
+        cache = cache._replace(exchange=transformer.exchange_state(config, batch, axis_name=AXIS))
+        assert (np.asarray(cache.exchange.counts) == 0).all()
       seen = []
       for _ in range(2):
         out, cache = step(params, tokens, cache)

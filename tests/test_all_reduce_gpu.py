@@ -43,8 +43,10 @@ def _stack(state):
 
 
 def _state(mesh, d, rows, cols):
+  """A fresh state, ready on every device before any call (`init_state`)."""
   make = lambda: _stack(all_reduce_op.init_state(rows, cols, d))
-  return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=P(AXIS)))()
+  return jax.block_until_ready(
+      jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=P(AXIS)))())
 
 
 def _expected(x):

@@ -106,6 +106,8 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
       step = jax.jit(functools.partial(
           transformer.decode_step, **{**common, "impl": decode_impl if impl == "auto" else impl},
           activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
+      if impl == "auto" and decode_impl == "pallas":
+        cache = cache._replace(exchange=transformer.exchange_state(CONFIG, 8, axis_name=AXIS))
       seen = [logits]
       for t in range(steps):
         logits, cache = step(params, testkit.put(mesh, tokens[:, t], P()), cache)
