@@ -23,8 +23,11 @@ every device: the peers' stores for call t + 1 may land while this device
 still runs call t, at the address the next call will read. So the state must
 be donated and never copied between calls; a block whose buffer addresses
 differ from its previous call's traps (the call fails) rather than risk a
-lost store. XLA skips its cross-device barrier before the launch: there are
-no semaphores for it to zero.
+lost store. For the same reason a fresh state must be made in a program of
+its own and be ready on every device before the first call: a fill of the
+sentinel that runs after a faster peer's first store erases it. XLA skips its
+cross-device barrier before the launch: there are no semaphores for it to
+zero.
 
 Shapes (per device, inside `shard_map` over `axis_name` of size d):
   x: [rows, cols] bfloat16, rows * cols a multiple of 8.
@@ -45,7 +48,6 @@ from jax._src.pallas import mpmd
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import vma
 
@@ -63,7 +65,7 @@ MAX_SPINS = 1 << 24
 class LamportConfig:
   """blocks: thread blocks of the kernel (each of 128 threads); a thread
   handles every (blocks * 128)-th 16-byte chunk of the operand."""
-  blocks: int = 132
+  blocks: int
 
 
 # Blocks may share an SM (32 registers a thread, no shared memory): up to
@@ -169,6 +171,12 @@ def _ptx(d: int, length: int, blocks: int) -> str:
            f"st.global.v2.b32 [row+{8 * k}], {{v0, v1}};"
            for k, ptr in enumerate(["$2", *dst])]
   newline = "\n"
+
+  def chunk_loop(label: str, body: str) -> str:
+    """`body` for each of this thread's chunks c (byte offset `off`)."""
+    return (f"cvt.u64.u32 c, gt;\n{label}:\nsetp.ge.u64 p, c, {chunks};\n@p bra {label}_DONE;\n"
+            f"shl.b64 off, c, 4;\n{body}\nadd.u64 c, c, {stride};\nbra {label};\n{label}_DONE:")
+
   return f"""{{
 .reg .pred p, q, first;
 .reg .b32 spins, tid, cta, gt, cnt, slot, prev, t, s, z, w0, w1, w2, w3, u0, u1, v0, v1;
@@ -196,32 +204,16 @@ setp.ne.u32 q, z, z;
 setp.ne.and.u32 q, cnt, 0, q;
 @q trap;
 CHECKED:
-cvt.u64.u32 c, gt;
-SEND:
-setp.ge.u64 p, c, {chunks};
-@p bra SENT;
-shl.b64 off, c, 4;
-add.u64 a, $0, off;
+{chunk_loop("SEND", f"""add.u64 a, $0, off;
 ld.global.nc.v4.b32 {vec}, [a];
 {newline.join(f"add.rn.bf16x2 {w}, {w}, z;" for w in words)}
 {newline.join(send)}
-{newline.join(refill)}
-add.u64 c, c, {stride};
-bra SEND;
-SENT:
-cvt.u64.u32 c, gt;
-RECEIVE:
-setp.ge.u64 p, c, {chunks};
-@p bra RECEIVED;
-shl.b64 off, c, 4;
-{newline.join(f"mov.f32 acc{k}, 0f00000000;" for k in range(2 * len(words)))}
+{newline.join(refill)}""")}
+{chunk_loop("RECEIVE", f"""{newline.join(f"mov.f32 acc{k}, 0f00000000;" for k in range(2 * len(words)))}
 {newline.join(receive)}
 {newline.join(f"cvt.rn.bf16x2.f32 {w}, acc{2 * i + 1}, acc{2 * i};" for i, w in enumerate(words))}
 add.u64 a, $1, off;
-st.global.v4.b32 [a], {vec};
-add.u64 c, c, {stride};
-bra RECEIVE;
-RECEIVED:
+st.global.v4.b32 [a], {vec};""")}
 add.u32 cnt, cnt, 1;
 st.global.u32 [cp], cnt;
 }}"""
