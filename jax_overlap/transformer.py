@@ -410,7 +410,7 @@ class _ReplicatedOps(_Ops):
   partial products in x's dtype (as the BSP reduce-scatter's), through
   `sum_over_axis`. A layer then exchanges three times (the heads' gather,
   o's and down's all-reduce) instead of five."""
-  sum_over_axis: Callable[[jax.Array], jax.Array] = None
+  sum_over_axis: Callable[[jax.Array], jax.Array] | None = None
 
   def column(self, x, w):
     """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange."""
@@ -443,7 +443,8 @@ def all_reduce_impl_for(impl: str) -> str:
 def explain_decode_all_reduce(config, *, axis_size: int, batch: int, impl: str = "auto",
                               axis_name=None):
   """The `all_reduce` choice of a decode step of `batch` sequences over
-  replicated activations (its state given: `decode_step` makes one)."""
+  replicated activations, the cache holding the kernel's state
+  (`exchange_state`)."""
   return all_reduce_op.explain(
       jax.ShapeDtypeStruct((batch, config.hidden), config.dtype),
       all_reduce_op.state_shapes(batch, config.hidden, axis_size), axis_size=axis_size,
