@@ -53,11 +53,11 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$O
 python3 -c "import jax; print(jax.__version__, jax.devices())" > "$OUT/jax.txt" 2>&1
 
 step gpu_tests python3 -m pytest -m "gpu and not experimental" tests -q --timeout="$TEST_TIMEOUT_S"
-# The Lamport all-reduce kernel needs XLA's dynamic-slice fusion off
-# (jax_overlap.all_reduce): its tests, and the model's decode with it, here.
+# The Lamport exchange kernels need XLA's dynamic-slice fusion off
+# (jax_overlap.decode_collectives): their tests, and the model's decode with them, here.
 step gpu_tests_lamport env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
-    python3 -m pytest -m gpu tests/test_all_reduce_gpu.py tests/test_transformer_gpu.py -q \
-    -k "all_reduce or pallas" --timeout="$TEST_TIMEOUT_S"
+    python3 -m pytest -m gpu tests/test_decode_collectives_gpu.py tests/test_transformer_gpu.py -q \
+    -k "decode_collectives or pallas" --timeout="$TEST_TIMEOUT_S"
 
 step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" \
     --iterations="$ITERATIONS" --tune_budget_s="$TUNE_BUDGET_S"

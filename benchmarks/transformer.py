@@ -97,7 +97,7 @@ _VARIANTS = flags.DEFINE_list(
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
-    " fused_replicated_pallas (replicated, impl='pallas': the Lamport all-reduce kernel; needs"
+    " fused_replicated_pallas (replicated, impl='pallas': the Lamport exchange kernel; needs"
     " XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
@@ -217,7 +217,7 @@ def variants() -> tuple[Variant, ...]:
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
   activations), fused_replicated_pallas (the same with impl="pallas": the
-  decode kernel and the Lamport all-reduce kernel), and fused / bsp without
+  decode kernel and the Lamport exchange kernel), and fused / bsp without
   XLA's dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
@@ -479,8 +479,9 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
   cache_shardings = jax.tree.map(lambda a: a.sharding, cache_abstract)
   exchange = None
-  if v.decode_activations == "replicated" and transformer.explain_decode_all_reduce(
-      config, axis_size=d, batch=b, impl=v.impl).impl == "pallas":
+  if v.decode_activations == "replicated" and any(
+      choice.impl == "pallas" for choice in transformer.decode_exchange_choices(
+          config, axis_size=d, batch=b, impl=v.impl)):
     exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
     cache_abstract = cache_abstract._replace(exchange=jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), exchange))

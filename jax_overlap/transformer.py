@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import all_reduce as all_reduce_op
+from jax_overlap import decode_collectives
 from jax_overlap import sharded
 from jax_overlap.all_gather_matmul import all_gather_matmul
 from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
@@ -161,16 +161,29 @@ class KVCache(NamedTuple):
     step (two thirds of a decode step's HBM traffic; benchmarks/NOTES.md,
     model v4).
   lengths: [B] int32, tokens cached per sequence (replicated).
-  exchange: None, or the persistent buffers of the all-reduce kernel that a
-    decode step over replicated activations runs after its row-parallel
-    matmuls (`jax_overlap.all_reduce`; each array stacked over the devices,
-    sharded over the axis): `exchange_state` makes it, `decode_step` needs
-    it with that kernel and threads it through every call.
+  exchange: None, or the persistent buffers of the exchange kernel of a
+    decode step over replicated activations (`DecodeExchanges`):
+    `exchange_state` makes them, `decode_step` needs them when it runs that
+    kernel and threads them through every call.
   """
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
-  exchange: all_reduce_op.AllReduceState | None = None
+  exchange: "DecodeExchanges | None" = None
+
+
+class DecodeExchanges(NamedTuple):
+  """Per exchange site of a decode step over replicated activations, one
+  thing of type T: a `decode_collectives` state (each array stacked over the
+  devices, sharded over the axis; None where the site takes the XLA path),
+  or the site's `dispatch.Choice` (`decode_exchange_choices`).
+
+  summed: o's and down's all-reduces, [B, H] operands.
+  gathered: the heads' gather, [B, (Hq + 2 Hkv) / D * Dh] operands (each
+    device's q, k and v heads side by side).
+  """
+  summed: object
+  gathered: object
 
 
 def init_params(key, config: TransformerConfig, layers: int) -> dict:
@@ -315,10 +328,11 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   choices = ops(batch * seq, "step") if batch is not None and seq is not None else []
   if decode_batch is not None and cache_len is not None:
     if decode_activations == "replicated":
-      summed = explain_decode_all_reduce(c, axis_size=d, batch=decode_batch, impl=impl)
+      sites = decode_exchange_choices(c, axis_size=d, batch=decode_batch, impl=impl)
       choices += [(f"decode {name}", f"local matmul{then} (activations replicated)")
-                  for name, then in (("qkv", ""), ("o", f", then {summed}"), ("gate_up", ""),
-                                     ("down", f", then {summed}"), ("head", ""))]
+                  for name, then in (("qkv", f", then the heads' {sites.gathered}"),
+                                     ("o", f", then {sites.summed}"), ("gate_up", ""),
+                                     ("down", f", then {sites.summed}"), ("head", ""))]
     else:
       choices += ops(decode_batch, "decode")
     choices.append(("decode attention", explain_flash_decode(
@@ -422,38 +436,61 @@ class _ReplicatedOps(_Ops):
 
 
 class _Exchanges:
-  """A decode step's all-reduces in program order, threading one
-  `all_reduce_op.AllReduceState` (None on the XLA path) from call to call."""
+  """A decode step's exchanges in program order: the all-reduces after the
+  row-parallel matmuls and the heads' gather, each site threading its
+  `DecodeExchanges` state (None: the XLA path) from call to call."""
 
-  def __init__(self, state, axis_name: str, impl: str):
-    self.state, self._axis_name, self._impl = state, axis_name, impl
+  def __init__(self, states: "DecodeExchanges", axis_name: str, impl: str):
+    self.states, self._axis_name, self._impl = states, axis_name, impl
 
-  def __call__(self, x):
-    x, self.state = all_reduce_op.all_reduce(x, self.state, axis_name=self._axis_name,
-                                             impl=self._impl)
+  def sum(self, x):
+    """x [N, C] summed over the axis."""
+    x, summed = decode_collectives.all_reduce(x, self.states.summed, axis_name=self._axis_name,
+                                              impl=self._impl)
+    self.states = self.states._replace(summed=summed)
     return x
 
+  def gather_heads(self, heads):
+    """heads [B, heads / D, Dh] -> [B, D, heads / D, Dh], every device's."""
+    if self.states.gathered is None:  # one XLA all-gather, no transpose
+      return lax.all_gather(heads, self._axis_name, axis=1)
+    b, h, dh = heads.shape
+    whole, gathered = decode_collectives.all_gather(
+        heads.reshape(b, h * dh), self.states.gathered, axis_name=self._axis_name,
+        impl=self._impl)
+    self.states = self.states._replace(gathered=gathered)
+    return whole.reshape(-1, b, h, dh).transpose(1, 0, 2, 3)
 
-def all_reduce_impl_for(impl: str) -> str:
-  """The `all_reduce` impl of a model with collective `impl`: its own name
-  where all_reduce has it ("auto", "pallas"), else "xla"."""
+
+def exchange_impl_for(impl: str) -> str:
+  """The `decode_collectives` impl of a model with collective `impl`: its
+  own name where they have it ("auto", "pallas"), else "xla"."""
   return impl if impl in ("auto", "pallas") else "xla"
 
 
-def explain_decode_all_reduce(config, *, axis_size: int, batch: int, impl: str = "auto",
-                              axis_name=None):
-  """The `all_reduce` choice of a decode step of `batch` sequences over
-  replicated activations, the cache holding the kernel's state
-  (`exchange_state`)."""
-  return all_reduce_op.explain(
-      jax.ShapeDtypeStruct((batch, config.hidden), config.dtype),
-      all_reduce_op.state_shapes(batch, config.hidden, axis_size), axis_size=axis_size,
-      impl=all_reduce_impl_for(impl), axis_name=axis_name)
+def _exchange_shapes(config, batch: int, axis_size: int) -> DecodeExchanges:
+  """Each site's per-device operand shape (rows, cols)."""
+  heads = (config.q_heads + 2 * config.kv_heads) // axis_size
+  return DecodeExchanges(summed=(batch, config.hidden), gathered=(batch, heads * config.head_dim))
 
 
-def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> all_reduce_op.AllReduceState:
+def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "auto",
+                            axis_name=None) -> DecodeExchanges:
+  """Each exchange site's `dispatch.Choice` in a decode step of `batch`
+  sequences over replicated activations, the cache holding the kernel's
+  state (`exchange_state`)."""
+  explain = DecodeExchanges(decode_collectives.explain_all_reduce,
+                            decode_collectives.explain_all_gather)
+  return DecodeExchanges(*(
+      fn(jax.ShapeDtypeStruct(shape, config.dtype),
+         decode_collectives.state_shapes(*shape, axis_size), axis_size=axis_size,
+         impl=exchange_impl_for(impl), axis_name=axis_name)
+      for fn, shape in zip(explain, _exchange_shapes(config, batch, axis_size))))
+
+
+def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeExchanges:
   """A fresh `KVCache.exchange` for decode steps of `batch` sequences over
-  replicated activations through the all-reduce kernel (each array stacked
+  replicated activations through the exchange kernel (each array stacked
   over the axis's devices, sharded over it): `cache._replace(exchange=...)`
   before the first such step.
 
@@ -464,8 +501,9 @@ def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> all_redu
   """
   mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
   d = mesh.shape[axis_name]
-  fresh = lambda: all_reduce_op.AllReduceState(
-      *(a[None] for a in all_reduce_op.init_state(batch, config.hidden, d)))
+  shapes = _exchange_shapes(config, batch, d)
+  fresh = lambda: DecodeExchanges(*(jax.tree.map(
+      lambda a: a[None], decode_collectives.init_state(*shape, d)) for shape in shapes))
   return jax.block_until_ready(
       jax.jit(jax.shard_map(fresh, mesh=mesh, in_specs=(), out_specs=P(axis_name)))())
 
@@ -739,31 +777,32 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       gather. "replicated": all B rows on every device: the column-parallel
       matmuls are local and each row-parallel one ends in one all-reduce,
       three exchanges per layer; `impl` then applies to `flash_decode`
-      (decode_impl_for(impl)) and to the all-reduces
-      (`all_reduce_impl_for(impl)`). The logits are the same up to rounding.
+      (decode_impl_for(impl)) and to the exchanges (`decode_collectives`,
+      `exchange_impl_for(impl)`). The logits are the same up to rounding.
 
   Returns:
     (logits [B, V] float32, vocabulary sharded over the axis; the cache with
     the new tokens' keys and values at position lengths[b], written by the
     device holding that position, and lengths + 1; with replicated
-    activations and the all-reduce kernel, its `exchange` state, which the
+    activations and the exchange kernel, its `exchange` state, which the
     cache must hold: `exchange_state`). Jit it with the cache donated, or
-    every step copies the cache (and the all-reduce kernel, whose buffers
-    must stay in place, fails).
+    every step copies the cache (and the exchange kernel, whose buffers must
+    stay in place, fails).
 
   Raises:
-    ValueError: as for `loss`; the all-reduce kernel chosen and
-      cache.exchange None.
+    ValueError: as for `loss`; the exchange kernel chosen and cache.exchange
+      None.
   """
   _check_decode_activations(activations)
   replicated = activations == "replicated"
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]
-  kernel_exchanges = replicated and explain_decode_all_reduce(
-      config, axis_size=d, batch=b, impl=impl, axis_name=axis_name).impl == "pallas"
-  if kernel_exchanges and cache.exchange is None:
+  kernel_sites = DecodeExchanges(*(
+      replicated and choice.impl == "pallas" for choice in decode_exchange_choices(
+          config, axis_size=d, batch=b, impl=impl, axis_name=axis_name)))
+  if any(kernel_sites) and cache.exchange is None:
     raise ValueError(
-        "cache.exchange is None, but this decode step sums through the all-reduce kernel, which"
+        "cache.exchange is None, but this decode step exchanges through the Lamport kernel, which"
         " needs its persistent buffers: cache = cache._replace(exchange=transformer.exchange_state("
         f"config, {b}, axis_name={axis_name!r})) before the first step (or impl='xla_bsp').")
   layers = params["layers"]["w_o"].shape[0]
@@ -780,11 +819,11 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
 
   def body(params, tokens, k_cache, v_cache, lengths, exchange):
     me = lax.axis_index(axis_name)
-    if exchange is not None:
-      exchange = all_reduce_op.AllReduceState(*(a[0] for a in exchange))
-    exchanges = _Exchanges(exchange, axis_name, all_reduce_impl_for(impl))
+    exchanges = _Exchanges(DecodeExchanges(*(
+        None if state is None else jax.tree.map(lambda a: a[0], state)
+        for state in exchange or (None, None))), axis_name, exchange_impl_for(impl))
     layer_ops = (_ReplicatedOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(_Ops)},
-                                sum_over_axis=exchanges) if replicated else ops)
+                                sum_over_axis=exchanges.sum) if replicated else ops)
     s_shard = k_cache[0].shape[1]
     # Where the new token goes on this device (S_shard: not here, dropped).
     slot = lengths - me * s_shard
@@ -794,7 +833,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     def everywhere(*parts):
       """Every head of each part ([B, heads / D, Dh], this device's heads),
       by one all-gather: a decode step's gathers are latency-bound."""
-      whole = lax.all_gather(jnp.concatenate(parts, axis=1), axis_name, axis=1)  # [B, D, ., Dh]
+      whole = exchanges.gather_heads(jnp.concatenate(parts, axis=1))  # [B, D, ., Dh]
       bounds = list(itertools.accumulate(part.shape[1] for part in parts))[:-1]
       return [a.reshape(b, -1, a.shape[-1]) for a in jnp.split(whole, bounds, axis=2)]
 
@@ -819,14 +858,19 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       k_out.append(k_i)
       v_out.append(v_i)
     logits = layer_ops.column(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])
-    exchange = None if exchanges.state is None else all_reduce_op.AllReduceState(
-        *(a[None] for a in exchanges.state))
+    exchange = None if exchange is None else DecodeExchanges(*(
+        None if state is None else jax.tree.map(lambda a: a[None], state)
+        for state in exchanges.states))
     return logits.astype(_F32), tuple(k_out), tuple(v_out), exchange
 
   specs = cache_specs(axis_name, layers)
-  exchange_in = cache.exchange if kernel_exchanges else None
-  exchange_specs = (all_reduce_op.AllReduceState(*[P(axis_name)] * 3) if kernel_exchanges
-                    else None)
+  exchange_in = exchange_specs = None
+  if any(kernel_sites):
+    exchange_in = DecodeExchanges(*(
+        state if kernel else None for state, kernel in zip(cache.exchange, kernel_sites)))
+    exchange_specs = DecodeExchanges(*(
+        decode_collectives.ExchangeState(*[P(axis_name)] * 3) if kernel else None
+        for kernel in kernel_sites))
   logits, k, v, exchange = sharded.shard_map_args(
       body, mesh, (param_specs(axis_name), P(), specs.k, specs.v, P(), exchange_specs),
       (P(None, axis_name), specs.k, specs.v, exchange_specs),

@@ -1,10 +1,12 @@
-"""A one-shot all-reduce over persistent "Lamport" buffers (experimental).
+"""One-shot all-reduce and all-gather over persistent "Lamport" buffers
+(experimental).
 
 Each device stores its bf16 operand into a slot of every device's receive
 buffer and reads its own buffer's D slots until none holds the sentinel
 (-0.0, a bit pattern the senders never store: they turn -0.0 into +0.0, which
-changes no sum), then sums them in float32 in device order, so every device
-gets the same bits. No semaphore, no fence and no handshake is on the path:
+changes no sum and no value), then sums them in float32 in device order, so
+every device gets the same bits (`all_reduce`), or copies them out in device
+order (`all_gather`). No semaphore, no fence and no handshake is on the path:
 one NVLink store latency per call, where NCCL's and our kernels' exchanges
 pay 4-6 (benchmarks/NOTES.md, "Why a decode-size exchange in our kernels
 costs what NCCL's does").
@@ -30,7 +32,9 @@ cross-device barrier before the launch: there are no semaphores for it to
 zero.
 
 Shapes (per device, inside `shard_map` over `axis_name` of size d):
-  x: [rows, cols] bfloat16, rows * cols a multiple of 8.
+  x: [rows, cols] bfloat16, rows * cols a multiple of 8; the all-reduce's
+    output [rows, cols], the all-gather's [d * rows, cols] (tiled, device
+    order).
   LamportState.buffers: [d, 3, rows * cols] bfloat16 (source, rotation,
     element); LamportState.counts: [blocks * 128] int32 (each thread's call
     count); LamportState.addresses: [blocks, 2 * (d + 1)] int32 (the buffers'
@@ -51,7 +55,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import vma
 
-KERNEL_NAME = "lamport_all_reduce"
+KERNEL_NAMES = {False: "lamport_all_reduce", True: "lamport_all_gather"}  # by `gather`
 SENTINEL_BITS = 0x8000  # bfloat16 -0.0
 ROTATION = 3
 THREADS = 128  # one warpgroup per block
@@ -130,10 +134,11 @@ def check_operands(x, state: LamportState, d: int, config: LamportConfig | None 
   check_state(rows, cols, d, state, config)
 
 
-def _ptx(d: int, length: int, blocks: int) -> str:
+def _ptx(d: int, length: int, blocks: int, gather: bool = False) -> str:
   """The whole kernel, per thread. Operands: $0 x, $1 out, $2 this device's
   buffers, $3 counts, $4 addresses, $5.. each device's buffers from this
-  device's slot on (d of them)."""
+  device's slot on (d of them). `gather`: each source's chunk copied to its
+  block of the output, else the sources summed."""
   chunks = length // CHUNK
   stride = blocks * THREADS
   rotation_bytes = length * 2
@@ -162,9 +167,20 @@ def _ptx(d: int, length: int, blocks: int) -> str:
                    f"mov.u32 spins, 0;\nPOLL{j}:\nld.volatile.global.v4.b32 {vec}, [a];\n{has_sentinel()}\n"
                    f"@!p bra GOT{j};\nadd.u32 spins, spins, 1;\nsetp.gt.u32 q, spins, {MAX_SPINS};\n"
                    f"@q trap;\nbra POLL{j};\nGOT{j}:")
+    if gather:
+      receive.append(f"add.u64 a, $1, {j * rotation_bytes};\nadd.u64 a, a, off;\n"
+                     f"st.global.v4.b32 [a], {vec};")
+      continue
     for i, w in enumerate(words):
       receive.append(f"shl.b32 t, {w}, 16;\nmov.b32 f, t;\nadd.f32 acc{2 * i}, acc{2 * i}, f;\n"
                      f"and.b32 t, {w}, -65536;\nmov.b32 f, t;\nadd.f32 acc{2 * i + 1}, acc{2 * i + 1}, f;")
+  if gather:
+    received = "\n".join(receive)
+  else:
+    received = "\n".join([*(f"mov.f32 acc{k}, 0f00000000;" for k in range(2 * len(words))), *receive,
+                           *(f"cvt.rn.bf16x2.f32 {w}, acc{2 * i + 1}, acc{2 * i};"
+                             for i, w in enumerate(words)),
+                           "add.u64 a, $1, off;", f"st.global.v4.b32 [a], {vec};"])
   check = [f"ld.global.v2.b32 {{u0, u1}}, [row+{8 * k}];\n"
            f"mov.b64 {{v0, v1}}, {ptr};\n"
            "setp.ne.or.b32 q, u0, v0, q;\nsetp.ne.or.b32 q, u1, v1, q;\n"
@@ -209,11 +225,7 @@ ld.global.nc.v4.b32 {vec}, [a];
 {newline.join(f"add.rn.bf16x2 {w}, {w}, z;" for w in words)}
 {newline.join(send)}
 {newline.join(refill)}""")}
-{chunk_loop("RECEIVE", f"""{newline.join(f"mov.f32 acc{k}, 0f00000000;" for k in range(2 * len(words)))}
-{newline.join(receive)}
-{newline.join(f"cvt.rn.bf16x2.f32 {w}, acc{2 * i + 1}, acc{2 * i};" for i, w in enumerate(words))}
-add.u64 a, $1, off;
-st.global.v4.b32 [a], {vec};""")}
+{chunk_loop("RECEIVE", received)}
 add.u32 cnt, cnt, 1;
 st.global.u32 [cp], cnt;
 }}"""
@@ -240,11 +252,26 @@ def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
     ValueError: x not bfloat16 or 2-D, rows * cols not a multiple of 8, or a
       state whose shapes do not match x, d and config.
   """
+  return _exchange(x, state, axis_name, config, gather=False)
+
+
+def all_gather(x: jax.Array, state: LamportState, *, axis_name: str,
+               config: LamportConfig | None = None) -> tuple[jax.Array, LamportState]:
+  """Every device's `x` on every device, in device order; inside `shard_map`.
+
+  As `all_reduce` (the same state for an x of the same shape), but returns
+  (out [d * rows, cols] bfloat16, device j's x in rows [j * rows, (j + 1) *
+  rows), with -0.0 as +0.0; the state for the next call).
+  """
+  return _exchange(x, state, axis_name, config, gather=True)
+
+
+def _exchange(x, state, axis_name, config, *, gather: bool):
   d = lax.axis_size(axis_name)
   config = config or default_config(*x.shape)
   check_operands(x, state, d, config)
   rows, cols = x.shape
-  ptx = _ptx(d, rows * cols, config.blocks)
+  ptx = _ptx(d, rows * cols, config.blocks, gather)
 
   def body(x_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 1-3
     me = lax.axis_index(axis_name)
@@ -258,15 +285,17 @@ def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
 
   axes = vma.varying_axes(x, *state, axis_name=axis_name)
   out_type = jax.ShapeDtypeStruct(
-      (rows, cols), x.dtype,
+      ((d if gather else 1) * rows, cols), x.dtype,
       manual_axis_type=jax.typeof(x).manual_axis_type.update(varying=axes - {axis_name}))
-  mesh = plgpu.Mesh(grid=(config.blocks,), grid_names=("block",), kernel_name=KERNEL_NAME)
+  name = KERNEL_NAMES[gather]
+  mesh = plgpu.Mesh(grid=(config.blocks,), grid_names=("block",), kernel_name=name)
   # plgpu.kernel takes no input_output_aliases, and a jax.new_ref of the
   # state (varying over the axis) is refused: the private entry point of
   # plgpu.kernel's own `pl.kernel` aliases the state in place.
   out, *state = mpmd._mpmd_map(
-      [(mesh, body)], (out_type, *(jax.typeof(a) for a in state)), input_output_aliases={1: 1, 2: 2, 3: 3},
-      scratch_types=(), compiler_params=plgpu.CompilerParams(skip_device_barrier=True),
-      interpret=False, debug=False, cost_estimate=None, name=KERNEL_NAME, metadata=None,
+      [(mesh, body)], (out_type, *(jax.typeof(a) for a in state)),
+      input_output_aliases={1: 1, 2: 2, 3: 3}, scratch_types=(),
+      compiler_params=plgpu.CompilerParams(skip_device_barrier=True),
+      interpret=False, debug=False, cost_estimate=None, name=name, metadata=None,
   )(x, *state)
   return out, LamportState(*state)

@@ -369,12 +369,14 @@ def test_replicated_decode_activations_are_explained_and_checked():
   activations sharded, a batch that does not split are refused by name."""
   lines = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
                               cache_len=32768, decode_activations="replicated")
-  assert "decode qkv: local matmul (activations replicated)" in lines, lines
+  qkv = next(line for line in lines if line.startswith("decode qkv: local matmul, then"))
+  assert "the heads' all_gather: impl='auto' -> xla; pallas rejected: the Pallas kernels" in qkv
   down = next(line for line in lines if line.startswith("decode down: local matmul, then"))
   assert "all_reduce: impl='auto' -> xla; pallas rejected: the Pallas kernels need" in down, down
-  pallas = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
-                               cache_len=32768, decode_activations="replicated", impl="xla_bsp")
-  assert any("all_reduce: impl='xla' -> xla" in line for line in pallas), pallas
+  assert "decode gate_up: local matmul (activations replicated)" in lines, lines
+  bsp = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
+                            cache_len=32768, decode_activations="replicated", impl="xla_bsp")
+  assert any("all_reduce: impl='xla' -> xla" in line for line in bsp), bsp
   assert any(line.startswith("decode attention: flash_decode:") for line in lines), lines
   with pytest.raises(ValueError, match="activations='whole': expected 'sharded'"):
     transformer.explain(CONFIG, axis_size=2, decode_activations="whole")

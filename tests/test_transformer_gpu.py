@@ -86,10 +86,10 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
   512-position cache, then three decode steps (the cache donated), the
   `auto` model's prefill and its decode with `decode_impl` over the decode
-  activations given ("pallas" over replicated ones: the Lamport all-reduce
-  kernel, its state in the cache), the XLA model's sharded."""
+  activations given ("pallas" over replicated ones: the Lamport exchange
+  kernels, their states in the cache), the XLA model's sharded."""
   if decode_impl == "pallas" and not platform.dynamic_slice_fusion_off():
-    pytest.skip(f"the all-reduce kernel needs XLA_FLAGS={platform.LOOP_FLAG}")
+    pytest.skip(f"the exchange kernels need XLA_FLAGS={platform.LOOP_FLAG}")
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
   cache_len, steps = 512, 3
@@ -120,8 +120,10 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
     _close(got_cache.k[layer], want_cache.k[layer], f"cache k, layer {layer}")
     _close(got_cache.v[layer], want_cache.v[layer], f"cache v, layer {layer}")
   np.testing.assert_array_equal(got_cache.lengths, lengths + steps)
-  # Two all-reduces per layer per step through the kernel's state, or none.
+  # Per layer per step, two all-reduces and one gather of the heads through
+  # the kernels' states, or none.
   if decode_impl == "pallas":
-    assert (np.asarray(got_cache.exchange.counts) == 2 * LAYERS * steps).all()
+    for state, per_layer in zip(got_cache.exchange, (2, 1)):
+      assert (np.asarray(state.counts) == per_layer * LAYERS * steps).all()
   else:
     assert got_cache.exchange is None

@@ -1,16 +1,16 @@
-"""jax_overlap.all_reduce's Lamport kernel on Hopper GPUs at D = 2 and 4.
+"""jax_overlap.decode_collectives' Lamport kernels on Hopper GPUs at D = 2 and 4.
 
 Every device's output of every checked call must equal, bit for bit, the
-float32 sum of the devices' bf16 operands in device order rounded once to
-bf16 (the kernel's contract), with zeros of both signs in the operands; calls
-threaded through one donated state (the buffers' rotation wraps many times),
-under `lax.scan`, and two states interleaved with other collectives in one
-program. The buffers' addresses, which the kernel records, must not move.
+kernel's contract: for the all-reduce, the float32 sum of the devices' bf16
+operands in device order rounded once to bf16; for the all-gather, the
+devices' operands in device order (-0.0 as +0.0). Operands hold zeros of both
+signs; calls are threaded through one donated state (the buffers' rotation
+wraps many times), run under `lax.scan`, and two states are interleaved with
+XLA's collectives in one program. The buffers' addresses, which the kernel
+records, must not move.
 
 Marked `gpu`: skipped without 2+ Hopper GPUs (tests/conftest.py).
 """
-
-import functools
 
 import jax
 from jax import lax
@@ -19,38 +19,38 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import all_reduce as all_reduce_op
+from jax_overlap import decode_collectives
 from pallas_kernels import platform
 import testkit
 from testkit import AXIS
 
 # A kernel whose peer never stores spins until its trap (seconds); a hang
-# anywhere else must still end the test. The kernel needs XLA's dynamic-slice
-# fusion off (all_reduce's support check): `benchmarks/gpu_suite.sh` runs this
-# file in a process of its own with the flag.
+# anywhere else must still end the test. The kernels need XLA's dynamic-slice
+# fusion off (decode_collectives' support check): `benchmarks/gpu_suite.sh`
+# runs this file in a process of its own with the flag.
 pytestmark = [
     pytest.mark.gpu, pytest.mark.timeout(300, method="thread"),
     pytest.mark.skipif(not platform.dynamic_slice_fusion_off(),
-                       reason=f"the kernel needs XLA_FLAGS={platform.LOOP_FLAG}")]
+                       reason=f"the kernels need XLA_FLAGS={platform.LOOP_FLAG}")]
 
 
 def _unstack(state):
-  return all_reduce_op.AllReduceState(*(a[0] for a in state))
+  return decode_collectives.ExchangeState(*(a[0] for a in state))
 
 
 def _stack(state):
-  return all_reduce_op.AllReduceState(*(a[None] for a in state))
+  return decode_collectives.ExchangeState(*(a[None] for a in state))
 
 
 def _state(mesh, d, rows, cols):
   """A fresh state, ready on every device before any call (`init_state`)."""
-  make = lambda: _stack(all_reduce_op.init_state(rows, cols, d))
+  make = lambda: _stack(decode_collectives.init_state(rows, cols, d))
   return jax.block_until_ready(
       jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=P(AXIS)))())
 
 
-def _expected(x):
-  """[D, ...] bf16 -> the float32 sum over D in order, rounded once to bf16."""
+def _summed(x):
+  """[D, rows, cols] bf16 -> the float32 sum over D in order, rounded once."""
   x = np.asarray(x, np.float32)
   total = np.zeros(x.shape[1:], np.float32)
   for part in x:
@@ -58,12 +58,22 @@ def _expected(x):
   return np.asarray(jnp.asarray(total).astype(jnp.bfloat16), np.float32)
 
 
-def _check(out, x, what):
-  want, got = _expected(x), np.asarray(out, np.float32)
+def _gathered(x):
+  """[D, rows, cols] bf16 -> [D * rows, cols], -0.0 as +0.0."""
+  x = np.asarray(x, np.float32)
+  return (x + np.float32(0)).reshape(-1, x.shape[-1])
+
+
+EXPECTED = {"all_reduce": _summed, "all_gather": _gathered}
+
+
+def _check(out, x, op, what):
+  want, got = EXPECTED[op](x), np.asarray(out, np.float32)
   for i, device in enumerate(got):
-    bad = np.flatnonzero(device != want)
-    assert bad.size == 0, (f"{what}, device {i}: {bad.size} of {want.size} elements differ,"
-                           f" first at {np.unravel_index(bad[0], want.shape)}")
+    same = (device.view(np.uint32) == want.view(np.uint32)) | (np.isnan(device) & np.isnan(want))
+    bad = np.flatnonzero(~same)
+    assert bad.size == 0, (f"{what}, device {i}: {bad.size} of {want.size} elements differ"
+                           f" (bit for bit), first at {np.unravel_index(bad[0], want.shape)}")
 
 
 def _operands(gen, d, rows, cols, signed_zeros=True):
@@ -80,14 +90,16 @@ def _addresses(state, d):
   return words[:, 0::2].astype(np.uint64) | (words[:, 1::2].astype(np.uint64) << np.uint64(32))
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
 @pytest.mark.parametrize("rows, cols", [(32, 8192), (3, 1000)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_repeated_calls_through_one_donated_state(d, rows, cols):
+def test_repeated_calls_through_one_donated_state(d, rows, cols, op):
   mesh = testkit.mesh_1d(d)
-  gen = testkit.rng("all_reduce_gpu", d, rows)
+  gen = testkit.rng("decode_collectives_gpu", d, rows, op)
+  collective = getattr(decode_collectives, op)
 
   def per(x, state):
-    out, state = all_reduce_op.all_reduce(x[0], _unstack(state), axis_name=AXIS, impl="pallas")
+    out, state = collective(x[0], _unstack(state), axis_name=AXIS, impl="pallas")
     return out[None], _stack(state)
 
   step = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
@@ -97,7 +109,7 @@ def test_repeated_calls_through_one_donated_state(d, rows, cols):
   for call in range(20):
     x = _operands(gen, d, rows, cols, signed_zeros=call % 2 == 0)
     out, state = step(testkit.put(mesh, x, P(AXIS)), state)
-    _check(out, x, f"call {call}")
+    _check(out, x, op, f"call {call}")
     where = _addresses(state, d)
     if first is None:
       first = where
@@ -113,19 +125,19 @@ def test_repeated_calls_through_one_donated_state(d, rows, cols):
 @pytest.mark.parametrize("d", [2, 4])
 def test_scan_and_two_states_interleaved_with_other_collectives(d):
   """Per step of a 12-step scan: an all-reduce on state A, a psum, an
-  all-reduce on state B of another shape, an all-gather; the program run 3
-  times with both states donated."""
+  all-gather on state B of another shape, XLA's all-gather of its output;
+  the program run 3 times with both states donated."""
   mesh = testkit.mesh_1d(d)
-  gen = testkit.rng("all_reduce_gpu_scan", d)
+  gen = testkit.rng("decode_collectives_gpu_scan", d)
   steps, (ra, ca), (rb, cb) = 12, (8, 4096), (16, 1024)
 
   def per(xa, xb, state_a, state_b):
     def body(states, xs):
       a, b = states
-      out_a, a = all_reduce_op.all_reduce(xs[0], a, axis_name=AXIS, impl="pallas")
+      out_a, a = decode_collectives.all_reduce(xs[0], a, axis_name=AXIS, impl="pallas")
       bump = lax.psum(jnp.ones((), jnp.float32), AXIS)
-      out_b, b = all_reduce_op.all_reduce((xs[1] * (bump / d)).astype(xs[1].dtype), b,
-                                          axis_name=AXIS, impl="pallas")
+      out_b, b = decode_collectives.all_gather((xs[1] * (bump / d)).astype(xs[1].dtype), b,
+                                               axis_name=AXIS, impl="pallas")
       gathered = lax.all_gather(out_b[:1], AXIS, tiled=True)
       return (a, b), (out_a, out_b, gathered)
 
@@ -143,8 +155,8 @@ def test_scan_and_two_states_interleaved_with_other_collectives(d):
         testkit.put(mesh, xa, P(AXIS)), testkit.put(mesh, xb, P(AXIS)), state_a, state_b)
     out_a, out_b, gathered = map(np.asarray, (out_a, out_b, gathered))
     for t in range(steps):
-      _check(out_a[:, t], xa[:, t], f"call {call} step {t} state A")
-      _check(out_b[:, t], xb[:, t], f"call {call} step {t} state B")
-      want = np.tile(_expected(xb[:, t])[:1], (d, 1))
+      _check(out_a[:, t], xa[:, t], "all_reduce", f"call {call} step {t} state A")
+      _check(out_b[:, t], xb[:, t], "all_gather", f"call {call} step {t} state B")
+      want = np.tile(_gathered(xb[:, t])[:1], (d, 1))
       for i in range(d):
         np.testing.assert_array_equal(np.asarray(gathered[i, t], np.float32), want)

@@ -1,0 +1,179 @@
+"""The small collectives of a decode step over replicated activations, per
+shard: `all_reduce` (after the row-parallel matmuls) and `all_gather` (the
+heads' q, k and v).
+
+Their kernel ("pallas", `pallas_kernels.lamport`, experimental) stores each
+device's operand straight into persistent receive buffers on every device and
+reads them without a handshake, so each call needs the buffers its previous
+call left: a state that the caller threads through every call, donated (see
+`pallas_kernels.lamport`). The XLA paths are `lax.psum` and `lax.all_gather`
+and pass the state through.
+
+    state = init_state(rows, cols, axis_size)   # inside shard_map, its own
+                                                # program, awaited everywhere
+    out, state = all_reduce(x, state, axis_name="tp")   # every call, donated
+
+One state serves the calls of one operand shape, all-reduces and all-gathers
+alike, as long as every device makes the same calls in the same order.
+"""
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_overlap import _validate
+from jax_overlap import dispatch
+from pallas_kernels import lamport
+from pallas_kernels import platform
+
+ExchangeState = lamport.LamportState
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Validated static arguments of one call (per shard)."""
+  axis_size: int
+  rows: int
+  cols: int
+  dtype: np.dtype
+  has_state: bool
+  process_reason: str | None = None
+
+
+def init_state(rows: int, cols: int, axis_size: int) -> ExchangeState:
+  """A fresh state for the kernel's calls on [rows, cols] operands over an
+  axis of `axis_size` devices, for one device (inside shard_map: each
+  device's own).
+
+  Make it in a program of its own and wait for it on every device
+  (`jax.block_until_ready`) before the first call: a peer's first store must
+  not land before this device's buffers hold the empty value, or the fill
+  erases it and the call traps (a state made in the all-reduce's own program
+  did: 2 H200s, session 43)."""
+  return lamport.init_state(rows, cols, axis_size)
+
+
+def state_shapes(rows: int, cols: int, axis_size: int) -> ExchangeState:
+  """`init_state`'s per-device shapes and dtypes."""
+  return lamport.state_shapes(rows, cols, axis_size)
+
+
+def _pallas_support(p: Problem) -> str | None:
+  if reason := platform.hopper_unavailable_reason() or p.process_reason:
+    return reason
+  if jax.process_count() > 1:
+    return "the kernel's persistent buffers have not been run across processes yet."
+  if not platform.dynamic_slice_fusion_off():
+    return ("its state must stay in place from call to call, and XLA's dynamic-slice fusion"
+            " copies a state carried through a lax.scan body before the kernel (4 H200s, session"
+            " 43: the kernel trapped on a lost store); start the job with"
+            f" XLA_FLAGS={platform.LOOP_FLAG}.")
+  if p.axis_size < 2:
+    return f"the axis has {p.axis_size} device: nothing to exchange."
+  if p.dtype != jnp.bfloat16:
+    return f"the kernel exchanges bfloat16 operands, got {p.dtype.name}."
+  if (p.rows * p.cols) % lamport.CHUNK:
+    return f"rows * cols must be a multiple of {lamport.CHUNK}, got {p.rows} * {p.cols}."
+  if not p.has_state:
+    return ("it needs the state of its persistent buffers: pass state=init_state(rows, cols,"
+            " axis_size) on the first call and the returned state after.")
+  return None
+
+
+def _experimental(p: Problem) -> str | None:
+  del p
+  return ("experimental: the all-reduce measured 1.17-1.18x over BSP by dispatch in the 70B-like"
+          " decode step but not by CUPTI (4 H200s, session 43); impl='pallas' runs it.")
+
+
+def _op(name: str) -> dispatch.Op:
+  return dispatch.Op(name, {
+      "pallas": dispatch.Impl(_pallas_support, _experimental,
+                              lambda p: "experimental (pallas_kernels.lamport)"),
+      "xla": dispatch.Impl()}, ("pallas", "xla"))
+
+
+_ALL_REDUCE = _op("all_reduce")
+_ALL_GATHER = _op("all_gather")
+
+
+def _bind(x, state, axis_size: int) -> Problem:
+  _validate.check_rank("x", x, 2, "[rows, cols]")
+  if state is not None:
+    lamport.check_state(*x.shape, axis_size, state)
+  return Problem(axis_size, *x.shape, jnp.dtype(x.dtype), state is not None)
+
+
+def explain_all_reduce(x, state=None, *, axis_size: int, impl: str = "auto",
+                       axis_name=None) -> dispatch.Choice:
+  """The implementation `all_reduce` would use, without running it (arrays
+  or `jax.ShapeDtypeStruct`s of the per-shard shapes)."""
+  return _ALL_REDUCE.choose(impl, dispatch.in_processes(_bind(x, state, axis_size), axis_name))
+
+
+def explain_all_gather(x, state=None, *, axis_size: int, impl: str = "auto",
+                       axis_name=None) -> dispatch.Choice:
+  """The implementation `all_gather` would use, without running it."""
+  return _ALL_GATHER.choose(impl, dispatch.in_processes(_bind(x, state, axis_size), axis_name))
+
+
+def _choose(op: dispatch.Op, x, state, axis_name, impl) -> str:
+  problem = dispatch.in_processes(
+      _bind(x, state, _validate.bound_axis_size(axis_name)), axis_name)
+  return op.choose(impl, problem).impl
+
+
+def all_reduce(x, state=None, *, axis_name, impl: str = "auto"):
+  """The sum of `x` over `axis_name` on every device, inside `jax.shard_map`.
+
+  Args:
+    x: [rows, cols], this device's addend.
+    state: None, or the `ExchangeState` that `init_state(rows, cols, D)`
+      made (first call) or the previous call returned; the "pallas" impl
+      needs it. Jit the steps that thread it with it donated: the kernel
+      traps if its buffers move between calls.
+    axis_name: the mesh axis to sum over (size D), bound by shard_map.
+    impl: "auto" tries, in order:
+      "pallas": the Lamport-buffer kernel (Hopper, one process, D >= 2,
+        bf16, rows * cols a multiple of 8, a state, XLA's dynamic-slice
+        fusion off: `pallas_kernels.platform.LOOP_FLAG` in XLA_FLAGS): one
+        store of x into every device's buffer, no handshake; experimental:
+        "auto" does not take it yet;
+      "xla": the `lax` collective.
+      A named impl that cannot run raises. See `explain_all_reduce`.
+
+  Returns:
+    (out, state): out [rows, cols] in x's dtype, the sum on every device
+    (the kernel: float32 sums in device order, the same bits everywhere;
+    XLA: `lax.psum` in x's dtype); the state for the next call (the XLA path
+    returns it unchanged).
+
+  Raises:
+    ValueError: unbound axis_name, x not 2-D, a state that does not fit x,
+      an impl that cannot run here.
+  """
+  if _choose(_ALL_REDUCE, x, state, axis_name, impl) == "pallas":
+    return lamport.all_reduce(x, state, axis_name=axis_name)
+  return lax.psum(x, axis_name), state
+
+
+def all_gather(x, state=None, *, axis_name, impl: str = "auto"):
+  """Every device's `x`, stacked in device order on every device, inside
+  `jax.shard_map` (`lax.all_gather(x, axis_name, tiled=True)`).
+
+  Args: as for `all_reduce` (x: this device's [rows, cols] block).
+
+  Returns:
+    (out, state): out [D * rows, cols] in x's dtype, device j's x in rows
+    [j * rows, (j + 1) * rows) (the kernel gives -0.0 as +0.0); the state for
+    the next call.
+
+  Raises: as for `all_reduce`.
+  """
+  if _choose(_ALL_GATHER, x, state, axis_name, impl) == "pallas":
+    return lamport.all_gather(x, state, axis_name=axis_name)
+  return lax.all_gather(x, axis_name, tiled=True), state
+
