@@ -32,7 +32,7 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
-STEPS="${STEPS:-gpu_tests gpu_tests_lamport all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile windowed_einsum auto_grid}"
+STEPS="${STEPS:-gpu_tests gpu_tests_lamport decode_collectives all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile windowed_einsum auto_grid}"
 
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
@@ -58,6 +58,8 @@ step gpu_tests python3 -m pytest -m "gpu and not experimental" tests -q --timeou
 step gpu_tests_lamport env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
     python3 -m pytest -m gpu tests/test_decode_collectives_gpu.py tests/test_transformer_gpu.py -q \
     -k "decode_collectives or pallas" --timeout="$TEST_TIMEOUT_S"
+step decode_collectives env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
+    python3 -m benchmarks.decode_collectives --out_dir="$OUT"
 
 step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" \
     --iterations="$ITERATIONS" --tune_budget_s="$TUNE_BUDGET_S"
