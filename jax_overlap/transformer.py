@@ -893,8 +893,10 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
   and `decode_step(params, tokens, cache)`, jitted with these settings.
 
   With `donate`, train_step donates params and decode_step the cache (updated
-  in place); prefill needs `cache_len`; `decode_activations` is
-  decode_step's `activations`.
+  in place; with replicated activations and impl="pallas" the cache must
+  carry `exchange_state`'s buffers, which only donation keeps in place);
+  prefill needs `cache_len`; `decode_activations` is decode_step's
+  `activations`.
   """
   _check_decode_activations(decode_activations)
   common = dict(config=config, axis_name=axis_name, mesh=mesh, impl=impl)
