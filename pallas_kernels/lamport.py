@@ -83,7 +83,8 @@ def default_config(rows: int, cols: int) -> LamportConfig:
 
 
 class LamportState(NamedTuple):
-  """The persistent receive buffers of one all-reduce site (see module doc)."""
+  """The persistent receive buffers of one exchange site: the calls, all-
+  reduces and all-gathers alike, on operands of one shape (module doc)."""
   buffers: jax.Array
   counts: jax.Array
   addresses: jax.Array
@@ -125,11 +126,11 @@ def check_operands(x, state: LamportState, d: int, config: LamportConfig | None 
   """Raises ValueError unless x is a 2-D bfloat16 [rows, cols] with rows *
   cols a multiple of 8 and `state` fits it (`check_state`)."""
   if len(x.shape) != 2 or x.dtype != jnp.bfloat16:
-    raise ValueError(f"x must be 2-D bfloat16 for the Lamport all-reduce, got "
+    raise ValueError(f"x must be 2-D bfloat16 for the Lamport kernels, got "
                      f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
   rows, cols = x.shape
   if (rows * cols) % CHUNK:
-    raise ValueError(f"x's rows * cols must be a multiple of {CHUNK} for the Lamport all-reduce,"
+    raise ValueError(f"x's rows * cols must be a multiple of {CHUNK} for the Lamport kernels,"
                      f" got {rows} * {cols}")
   check_state(rows, cols, d, state, config)
 
