@@ -64,34 +64,31 @@ def _variants(rows: int, cols: int, kernels: bool) -> dict[str, lamport.LamportC
 
 
 def _program(op: str, config, mesh, d: int, chain: int):
-  """jit(shard_map) of `chain` calls of `op`, the state (None for XLA)
-  donated: (x [D, rows, cols], state) -> (out, state)."""
-  kernel = getattr(lamport, op)
-  xla = getattr(decode_collectives, op)
+  """jit(shard_map) of `chain` calls of `op` (the kernel with `config`, or
+  XLA's collective if None), each call's output, scaled and cut to the
+  operand's rows, the next one's operand; the state (None for XLA) donated:
+  (x [D, rows, cols], state) -> (out, state). chain 0: one call, its output
+  as it is."""
 
   def per(x, state):
     x = x[0]
     state = None if state is None else lamport.LamportState(*(a[0] for a in state))
-    rows = x.shape[0]
-    for _ in range(chain):
+    for _ in range(max(chain, 1)):
       if config is None:
-        out, _ = xla(x, axis_name=AXIS, impl="xla")
+        out, _ = getattr(decode_collectives, op)(x, axis_name=AXIS, impl="xla")
       else:
-        out, state = kernel(x, state, axis_name=AXIS, config=config)
-      x = (out[:rows] * (1.0 / d if op == "all_reduce" else 1.0)).astype(x.dtype)
+        out, state = getattr(lamport, op)(x, state, axis_name=AXIS, config=config)
+      x = out if chain == 0 else (out[:x.shape[0]] * (1.0 / d if op == "all_reduce" else 1.0)
+                                  ).astype(x.dtype)
     return x[None], None if state is None else lamport.LamportState(*(a[None] for a in state))
 
   return jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
                                out_specs=(P(AXIS), P(AXIS)), check_vma=False), donate_argnums=1)
 
 
-def _state(config, rows, cols, mesh, d):
-  if config is None:
-    return None
-  fresh = lambda: lamport.LamportState(
-      *(a[None] for a in lamport.init_state(rows, cols, d, config)))
-  return jax.block_until_ready(
-      jax.jit(jax.shard_map(fresh, mesh=mesh, in_specs=(), out_specs=P(AXIS)))())
+def _state(config, rows, cols, mesh):
+  return None if config is None else lamport.fresh_global_state(
+      rows, cols, mesh=mesh, axis_name=AXIS, config=config)
 
 
 def _error(op: str, out, x) -> float:
@@ -105,15 +102,12 @@ def _error(op: str, out, x) -> float:
 
 def _case(op, name, config, rows, cols, mesh, d) -> dict:
   x = spmd.random_normal(jax.random.key(rows * cols), (d, rows, cols), jnp.bfloat16, mesh, P(AXIS))
-  raw = jax.jit(jax.shard_map(
-      lambda x, s: _raw(op, config, x, s), mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
-      out_specs=(P(AXIS), P(AXIS)), check_vma=False), donate_argnums=1)
-  got, _ = raw(x, _state(config, rows, cols, mesh, d))
+  got, _ = _program(op, config, mesh, d, 0)(x, _state(config, rows, cols, mesh))
   error = _error(op, got, x)
 
   chain = _CHAIN.value
   fn = _program(op, config, mesh, d, chain)
-  box = [x, _state(config, rows, cols, mesh, d)]
+  box = [x, _state(config, rows, cols, mesh)]
 
   def run():
     box[0], box[1] = fn(box[0], box[1])
@@ -136,16 +130,6 @@ def _case(op, name, config, rows, cols, mesh, d) -> dict:
     record["devices"][gpu] = {"kernel_us": statistics.median(ours) if ours else None,
                               "span_us_per_call": span / _CALLS.value / chain}
   return record
-
-
-def _raw(op, config, x, state):
-  """One call of `op` on x [1, rows, cols] (the case's config; XLA's if None)."""
-  state = None if state is None else lamport.LamportState(*(a[0] for a in state))
-  if config is None:
-    out, _ = getattr(decode_collectives, op)(x[0], axis_name=AXIS, impl="xla")
-  else:
-    out, state = getattr(lamport, op)(x[0], state, axis_name=AXIS, config=config)
-  return out[None], None if state is None else lamport.LamportState(*(a[None] for a in state))
 
 
 def main(argv) -> None:

@@ -9,9 +9,9 @@ call left: a state that the caller threads through every call, donated (see
 `pallas_kernels.lamport`). The XLA paths are `lax.psum` and `lax.all_gather`
 and pass the state through.
 
-    state = init_state(rows, cols, axis_size)   # inside shard_map, its own
-                                                # program, awaited everywhere
-    out, state = all_reduce(x, state, axis_name="tp")   # every call, donated
+    state = fresh_state(rows, cols, axis_name="tp")     # global view, awaited
+    out, state = all_reduce(x, state, axis_name="tp")   # inside shard_map (each
+                                                        # device's block), donated
 
 One state serves the calls of one operand shape, all-reduces and all-gathers
 alike, as long as every device makes the same calls in the same order.
@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_overlap import _validate
 from jax_overlap import dispatch
+from jax_overlap import sharded
 from pallas_kernels import lamport
 from pallas_kernels import platform
 
@@ -48,12 +49,23 @@ def init_state(rows: int, cols: int, axis_size: int) -> ExchangeState:
   axis of `axis_size` devices, for one device (inside shard_map: each
   device's own).
 
-  Make it in a program of its own and wait for it on every device
-  (`jax.block_until_ready`) before the first call: a peer's first store must
-  not land before this device's buffers hold the empty value, or the fill
-  erases it and the call traps (a state made in the all-reduce's own program
-  did: 2 H200s, session 43)."""
+  Make it in a program of its own and wait for it on every device before the
+  first call (`fresh_state` does both): a peer's first store must not land
+  before this device's buffers hold the empty value, or the fill erases it
+  and the call traps (a state made in the all-reduce's own program did: 2
+  H200s, session 43)."""
   return lamport.init_state(rows, cols, axis_size)
+
+
+def fresh_state(rows: int, cols: int, *, axis_name: str, mesh=None) -> ExchangeState:
+  """`init_state` for every device of the axis, global view (each array
+  stacked over the axis's devices, sharded over it; the mesh is `mesh` or
+  the one `jax.set_mesh` set), made in a program of its own and returned
+  once every device holds it, as the kernel needs."""
+  if mesh is None:  # no inputs to reshard: any mesh given will do
+    mesh, _ = sharded.resolve_mesh(None, axis_name, ())
+  _validate.check_mesh_axes("axis_name", (axis_name,), mesh)
+  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name)
 
 
 def state_shapes(rows: int, cols: int, axis_size: int) -> ExchangeState:

@@ -500,12 +500,9 @@ def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeEx
   lost a store that way: 2 H200s, session 43).
   """
   mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
-  d = mesh.shape[axis_name]
-  shapes = _exchange_shapes(config, batch, d)
-  fresh = lambda: DecodeExchanges(*(jax.tree.map(
-      lambda a: a[None], decode_collectives.init_state(*shape, d)) for shape in shapes))
-  return jax.block_until_ready(
-      jax.jit(jax.shard_map(fresh, mesh=mesh, in_specs=(), out_specs=P(axis_name)))())
+  return DecodeExchanges(*(
+      decode_collectives.fresh_state(*shape, axis_name=axis_name, mesh=mesh)
+      for shape in _exchange_shapes(config, batch, mesh.shape[axis_name])))
 
 
 def _embed(tokens, table, axis_name, *, replicated: bool = False):

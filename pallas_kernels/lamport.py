@@ -111,6 +111,21 @@ def init_state(rows: int, cols: int, d: int,
                       addresses=jnp.zeros(shapes.addresses.shape, jnp.int32))
 
 
+def fresh_global_state(rows: int, cols: int, *, mesh, axis_name: str,
+                       config: LamportConfig | None = None) -> LamportState:
+  """`init_state` for every device of `mesh`'s axis `axis_name`, global
+  view: each array stacked over the axis's devices and sharded over it.
+
+  Made in a program of its own and returned once every device holds it: a
+  peer's first store must not land before this device's fill of the
+  sentinel, or the fill erases it (module doc).
+  """
+  d = mesh.shape[axis_name]
+  fresh = lambda: LamportState(*(a[None] for a in init_state(rows, cols, d, config)))
+  return jax.block_until_ready(jax.jit(jax.shard_map(
+      fresh, mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(axis_name)))())
+
+
 def check_state(rows: int, cols: int, d: int, state: LamportState,
                 config: LamportConfig | None = None) -> None:
   """Raises ValueError unless `state` (arrays or `jax.ShapeDtypeStruct`s)

@@ -42,11 +42,8 @@ def _stack(state):
   return decode_collectives.ExchangeState(*(a[None] for a in state))
 
 
-def _state(mesh, d, rows, cols):
-  """A fresh state, ready on every device before any call (`init_state`)."""
-  make = lambda: _stack(decode_collectives.init_state(rows, cols, d))
-  return jax.block_until_ready(
-      jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=P(AXIS)))())
+def _state(mesh, rows, cols):
+  return decode_collectives.fresh_state(rows, cols, axis_name=AXIS, mesh=mesh)
 
 
 def _summed(x):
@@ -104,7 +101,7 @@ def test_repeated_calls_through_one_donated_state(d, rows, cols, op):
 
   step = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
                                out_specs=(P(AXIS), P(AXIS))), donate_argnums=1)
-  state = _state(mesh, d, rows, cols)
+  state = _state(mesh, rows, cols)
   first = None
   for call in range(20):
     x = _operands(gen, d, rows, cols, signed_zeros=call % 2 == 0)
@@ -147,7 +144,7 @@ def test_scan_and_two_states_interleaved_with_other_collectives(d):
 
   run = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 4,
                               out_specs=(P(AXIS),) * 5), donate_argnums=(2, 3))
-  state_a, state_b = _state(mesh, d, ra, ca), _state(mesh, d, rb, cb)
+  state_a, state_b = _state(mesh, ra, ca), _state(mesh, rb, cb)
   for call in range(3):
     xa = testkit.normal(gen, (d, steps, ra, ca), jnp.bfloat16)
     xb = testkit.normal(gen, (d, steps, rb, cb), jnp.bfloat16)
