@@ -2,8 +2,18 @@
 
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false \\
     python -m benchmarks.decode_collectives [--shapes=8x8192,32x8192,128x8192]
-        [--collectives=all_reduce,all_gather] [--chain=16] [--traced_calls=3]
-        [--kernel_blocks=132,256] [--out_dir=...]
+        [--collectives=all_reduce,all_gather,matmul_all_reduce] [--chain=16]
+        [--traced_calls=3] [--kernel_blocks=132,256]
+        [--matmul_shapes=32x2048x8192,32x7168x8192] [--out_dir=...]
+
+matmul_all_reduce (rows x K x N per device; the 70B-like decode step's o and
+down at D = 4 by default) runs four cases: "xla" (XLA's matmul, then psum),
+"unfused" (XLA's matmul, then the Lamport all-reduce kernel), "fused" (the
+kernel with the all-reduce in its epilogue) and "gemm" (XLA's matmul alone,
+no exchange: the floor the exchange is hidden under). For it, "busy" is
+each device's kernel time per call in the chain (the matmul, the exchange
+and the chain's slice-and-scale), and its error is over the float64 sum of
+the products.
 
 A kernel whose state is threaded through every call cannot be timed by
 calling one function on the same inputs again and again (CUPTI's
@@ -40,7 +50,10 @@ from benchmarks import timeline
 from jax_overlap import decode_collectives
 from pallas_kernels import lamport
 
-_OPS = flags.DEFINE_list("collectives", ["all_reduce", "all_gather"], "all_reduce, all_gather.")
+_OPS = flags.DEFINE_list("collectives", ["all_reduce", "all_gather"],
+                         "all_reduce, all_gather, matmul_all_reduce.")
+_MATMUL_SHAPES = flags.DEFINE_list("matmul_shapes", ["32x2048x8192", "32x7168x8192"],
+                                   "matmul_all_reduce's rows x K x N per device.")
 _CHAIN = flags.DEFINE_integer("chain", 16, "Collective calls per program.")
 _CALLS = flags.DEFINE_integer("traced_calls", 3, "Program calls traced per case.")
 _BLOCKS = flags.DEFINE_list("kernel_blocks", [], "Kernel block counts to run besides the default.")
@@ -132,6 +145,87 @@ def _case(op, name, config, rows, cols, mesh, d) -> dict:
   return record
 
 
+MATMUL_CASES = ("xla", "unfused", "fused", "gemm")
+
+
+def _matmul_program(case: str, mesh, k: int, chain: int):
+  """As `_program`, for matmul_all_reduce's `case`: (x [D, rows, K], w [D,
+  K, N], state) -> (out, state); each call's output, cut to K columns and
+  scaled, the next one's x."""
+
+  def per(x, w, state):
+    x, w = x[0], w[0]
+    state = None if state is None else lamport.LamportState(*(a[0] for a in state))
+    for _ in range(max(chain, 1)):
+      if case == "gemm":
+        out = jnp.dot(x, w, preferred_element_type=x.dtype)
+      else:
+        with decode_collectives.unfused_matmul_sums(case == "unfused"):
+          out, state = decode_collectives.matmul_all_reduce(
+              x, w, state, axis_name=AXIS, impl="xla" if case == "xla" else "pallas")
+      x = out if chain == 0 else (out[:, :k] * 0.5).astype(x.dtype)
+    return x[None], None if state is None else lamport.LamportState(*(a[None] for a in state))
+
+  return jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
+                               out_specs=(P(AXIS), P(AXIS)), check_vma=False), donate_argnums=2)
+
+
+def _matmul_case(case, rows, k, n, mesh, d) -> dict:
+  key = jax.random.key(rows * k + n)
+  x = spmd.random_normal(key, (d, rows, k), jnp.bfloat16, mesh, P(AXIS))
+  w = spmd.random_normal(jax.random.fold_in(key, 1), (d, k, n), jnp.bfloat16, mesh, P(AXIS))
+  w = (w * (1.0 / np.sqrt(k))).astype(jnp.bfloat16)
+
+  def state():
+    if case in ("xla", "gemm"):
+      return None
+    with decode_collectives.unfused_matmul_sums(case == "unfused"):
+      return decode_collectives.fresh_matmul_state(rows, n, axis_name=AXIS, mesh=mesh)
+
+  got, _ = _matmul_program(case, mesh, k, 0)(x, w, state())
+  products = np.einsum("drk,dkn->drn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+  want = products[0] if case == "gemm" else products.sum(0)
+  mine = [np.asarray(got, np.float64)[0]] if case == "gemm" else np.asarray(got, np.float64)
+  error = float(max(np.abs(g - want).max() for g in mine) / np.abs(want).max())
+
+  chain = _CHAIN.value
+  fn = _matmul_program(case, mesh, k, chain)
+  box = [x, state()]
+
+  def run():
+    box[0], box[1] = fn(box[0], w, box[1])
+    jax.block_until_ready(box[0])
+
+  for _ in range(2):
+    run()
+  start = time.perf_counter()
+  for _ in range(_CALLS.value):
+    run()
+  record = {"op": "matmul_all_reduce", "case": case, "rows": rows, "k": k, "cols": n, "d": d,
+            "error": error, "dispatch_us_per_call":
+                (time.perf_counter() - start) / _CALLS.value / chain * 1e6, "devices": {}}
+  for gpu, events in timeline.device_launches(timeline.trace(run, _CALLS.value)).items():
+    per_call = _CALLS.value * chain
+    span = max(e.start_ns + e.duration_ns for e in events) - events[0].start_ns
+    record["devices"][gpu] = {"busy_us_per_call": sum(e.duration_ns for e in events) / 1e3 / per_call,
+                              "span_us_per_call": span / 1e3 / per_call}
+  return record
+
+
+def _run_matmuls(mesh, d, kernels: bool) -> list[dict]:
+  records = []
+  for shape in _MATMUL_SHAPES.value:
+    rows, k, n = (int(v) for v in shape.split("x"))
+    for case in MATMUL_CASES if kernels else ("xla", "gemm"):
+      record = _matmul_case(case, rows, k, n, mesh, d)
+      records.append(record)
+      busy = [v["busy_us_per_call"] for v in record["devices"].values()]
+      busy = f"{min(busy):.2f}-{max(busy):.2f}" if busy else "-"
+      print(f"matmul_all_reduce {shape} {case:8s} error {record['error']:.1e}  busy {busy:>13s}"
+            f" µs/call  dispatch {record['dispatch_us_per_call']:.1f} µs/call", flush=True)
+  return records
+
+
 def main(argv) -> None:
   del argv
   mesh = spmd.mesh()
@@ -145,6 +239,9 @@ def main(argv) -> None:
         f"{'run' if kernels else 'skipped: ' + reason}", flush=True)
   records = []
   for op in _OPS.value:
+    if op == "matmul_all_reduce":
+      records += _run_matmuls(mesh, d, kernels)
+      continue
     for rows, cols in _shapes():
       floor = (d - 1) * rows * cols * 2 / NVLINK_BYTES_PER_S * 1e6
       for name, config in _variants(rows, cols, kernels).items():

@@ -67,6 +67,7 @@ from benchmarks import runner  # pylint: disable=unused-import (its --iterations
 from benchmarks import spmd
 from benchmarks import timeline
 from jax_overlap import decode_bsp
+from jax_overlap import decode_collectives
 from jax_overlap import dispatch
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
@@ -97,8 +98,9 @@ _VARIANTS = flags.DEFINE_list(
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
-    " fused_replicated_pallas (replicated, impl='pallas': the Lamport exchange kernel; needs"
-    " XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false),"
+    " fused_replicated_pallas (replicated, impl='pallas': the matmul + Lamport all-reduce and the"
+    " Lamport all-gather kernels; needs XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false),"
+    " fused_replicated_pallas_unfused (the same with XLA's matmuls, then the Lamport all-reduce),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
     " the table compares fused and"
@@ -193,20 +195,22 @@ class Variant:
   matmul kernels meet inside the kernel (`dispatch.meet_inside_kernels`),
   whether `auto` takes the kernels wherever they run
   (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
-  and XLA compile options ((name, value) pairs)."""
+  whether its matmul sums run unfused (`decode_collectives.
+  unfused_matmul_sums`), and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
   decode_impl: str | None
   entry: bool = False
   kernels: bool = False
   decode_activations: str = "sharded"
+  unfused_sums: bool = False
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
   def tracing(self):
     """The dispatch switches this variant's programs are traced under."""
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
-        self.kernels):
+        self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums):
       yield
 
 
@@ -217,8 +221,10 @@ def variants() -> tuple[Variant, ...]:
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
   activations), fused_replicated_pallas (the same with impl="pallas": the
-  decode kernel and the Lamport exchange kernel), and fused / bsp without
-  XLA's dynamic-slice fusion."""
+  decode kernel, the matmul with the Lamport all-reduce in its epilogue and
+  the Lamport all-gather), fused_replicated_pallas_unfused (the same with
+  XLA's matmuls, then the Lamport all-reduce), and fused / bsp without XLA's
+  dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
@@ -227,6 +233,8 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),
       Variant("bsp_replicated", "xla_bsp", decode, decode_activations="replicated"),
       Variant("fused_replicated_pallas", "pallas", None, decode_activations="replicated"),
+      Variant("fused_replicated_pallas_unfused", "pallas", None, decode_activations="replicated",
+              unfused_sums=True),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
@@ -479,10 +487,13 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
   cache_shardings = jax.tree.map(lambda a: a.sharding, cache_abstract)
   exchange = None
-  if v.decode_activations == "replicated" and any(
-      choice.impl == "pallas" for choice in transformer.decode_exchange_choices(
-          config, axis_size=d, batch=b, impl=v.impl)):
-    exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
+  with v.tracing():
+    kernel_sites = v.decode_activations == "replicated" and any(
+        choice.impl == "pallas" for choice in transformer.decode_exchange_choices(
+            config, axis_size=d, batch=b, impl=v.impl))
+    if kernel_sites:
+      exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
+  if kernel_sites:
     cache_abstract = cache_abstract._replace(exchange=jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), exchange))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl,

@@ -1,6 +1,6 @@
 """The small collectives of a decode step over replicated activations, per
-shard: `all_reduce` (after the row-parallel matmuls) and `all_gather` (the
-heads' q, k and v).
+shard: `matmul_all_reduce` (the row-parallel matmuls and their sum),
+`all_reduce` and `all_gather` (the heads' q, k and v).
 
 Their kernel ("pallas", `pallas_kernels.lamport`, experimental) stores each
 device's operand straight into persistent receive buffers on every device and
@@ -15,8 +15,13 @@ and pass the state through.
 
 One state serves the calls of one operand shape, all-reduces and all-gathers
 alike, as long as every device makes the same calls in the same order.
+`matmul_all_reduce`'s kernel (`pallas_kernels.matmul_all_reduce`: the sum in
+the matmul's epilogue) keeps its own state, of its output's shape
+(`fresh_matmul_state`).
 """
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -28,6 +33,7 @@ from jax_overlap import _validate
 from jax_overlap import dispatch
 from jax_overlap import sharded
 from pallas_kernels import lamport
+from pallas_kernels import matmul_all_reduce as fused_kernel
 from pallas_kernels import platform
 
 ExchangeState = lamport.LamportState
@@ -42,6 +48,7 @@ class Problem:
   dtype: np.dtype
   has_state: bool
   process_reason: str | None = None
+  k: int | None = None  # matmul_all_reduce: x's columns
 
 
 def init_state(rows: int, cols: int, axis_size: int) -> ExchangeState:
@@ -90,8 +97,9 @@ def _pallas_support(p: Problem) -> str | None:
   if (p.rows * p.cols) % lamport.CHUNK:
     return f"rows * cols must be a multiple of {lamport.CHUNK}, got {p.rows} * {p.cols}."
   if not p.has_state:
-    return ("it needs the state of its persistent buffers: pass state=init_state(rows, cols,"
-            " axis_size) on the first call and the returned state after.")
+    made_by = "fresh_state(rows, cols" if p.k is None else "fresh_matmul_state(rows, N"
+    return (f"it needs the state of its persistent buffers: pass state={made_by}, axis_name=...)"
+            " on the first call and the returned state after.")
   return None
 
 
@@ -111,12 +119,97 @@ def _op(name: str) -> dispatch.Op:
 _ALL_REDUCE = _op("all_reduce")
 _ALL_GATHER = _op("all_gather")
 
+_UNFUSED = contextvars.ContextVar("unfused_matmul_sums", default=False)
+
+
+@contextlib.contextmanager
+def unfused_matmul_sums(enabled: bool = True):
+  """Inside the block (trace time), `matmul_all_reduce`'s "pallas" impl is
+  the unfused pair: XLA's matmul, then the `all_reduce` kernel, with that
+  kernel's state (`matmul_state_shapes` and `fresh_matmul_state` follow). A
+  measuring switch, as `dispatch.kernels_wherever_they_run`: `benchmarks.
+  transformer --model_variants=fused_replicated_pallas_unfused` times the
+  decode step with it (model v12) beside the fused kernel (v13)."""
+  token = _UNFUSED.set(enabled)
+  try:
+    yield
+  finally:
+    _UNFUSED.reset(token)
+
+
+def _matmul_exchange(rows: int, cols: int) -> lamport.LamportConfig:
+  """The Lamport config of `matmul_all_reduce`'s state: the fused kernel's,
+  or the `all_reduce` kernel's under `unfused_matmul_sums`."""
+  if _UNFUSED.get():
+    return lamport.default_config(rows, cols)
+  return fused_kernel.exchange_config(cols)
+
+
+def matmul_state_shapes(rows: int, cols: int, axis_size: int) -> ExchangeState:
+  """Per-device shapes of `matmul_all_reduce`'s state for an output [rows,
+  cols] (its "pallas" kernel's)."""
+  return lamport.state_shapes(rows, cols, axis_size, _matmul_exchange(rows, cols))
+
+
+def fresh_matmul_state(rows: int, cols: int, *, axis_name: str, mesh=None) -> ExchangeState:
+  """`matmul_all_reduce`'s state for an output [rows, cols], global view,
+  made and awaited as `fresh_state`'s."""
+  if mesh is None:
+    mesh, _ = sharded.resolve_mesh(None, axis_name, ())
+  _validate.check_mesh_axes("axis_name", (axis_name,), mesh)
+  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name,
+                                    config=_matmul_exchange(rows, cols))
+
+
+def _matmul_support(p: Problem) -> str | None:
+  if (reason := _pallas_support(p)) or _UNFUSED.get():
+    return reason
+  config = fused_kernel.default_config(p.rows, p.k, p.cols)
+  return fused_kernel.unsupported_reason(p.rows, p.k, p.cols, p.dtype, config,
+                                         axis_size=p.axis_size)
+
+
+def _matmul_experimental(p: Problem) -> str | None:
+  del p
+  return ("experimental: the matmul with the Lamport all-reduce in its epilogue has not been"
+          " measured against XLA's matmul + psum yet; impl='pallas' runs it.")
+
+
+_MATMUL_ALL_REDUCE = dispatch.Op("matmul_all_reduce", {
+    "pallas": dispatch.Impl(
+        _matmul_support, _matmul_experimental,
+        lambda p: ("experimental, unfused: XLA's matmul, then pallas_kernels.lamport's all-reduce"
+                   if _UNFUSED.get() else "experimental (pallas_kernels.matmul_all_reduce)")),
+    "xla": dispatch.Impl()}, ("pallas", "xla"))
+
 
 def _bind(x, state, axis_size: int) -> Problem:
   _validate.check_rank("x", x, 2, "[rows, cols]")
   if state is not None:
     lamport.check_state(*x.shape, axis_size, state)
   return Problem(axis_size, *x.shape, jnp.dtype(x.dtype), state is not None)
+
+
+def _bind_matmul(x, w, state, axis_size: int, index: int | None) -> Problem:
+  _validate.check_rank("x", x, 2, "[rows, K]")
+  stacked = index is not None
+  _validate.check_rank("w", w, 3 if stacked else 2, "[L, K, N] with index" if stacked else "[K, N]")
+  if w.shape[-2] != x.shape[1] or w.dtype != x.dtype or (stacked and not 0 <= index < w.shape[0]):
+    raise ValueError(f"w {jnp.dtype(w.dtype).name}{list(w.shape)} (index={index}) does not fit x"
+                     f" {jnp.dtype(x.dtype).name}{list(x.shape)}: expected [{x.shape[1]}, N] in"
+                     " x's dtype (or [L, K, N] with 0 <= index < L).")
+  rows, n = x.shape[0], w.shape[-1]
+  if state is not None:
+    lamport.check_state(rows, n, axis_size, state, _matmul_exchange(rows, n))
+  return Problem(axis_size, rows, n, jnp.dtype(x.dtype), state is not None, k=x.shape[1])
+
+
+def explain_matmul_all_reduce(x, w, state=None, *, axis_size: int, impl: str = "auto",
+                              index: int | None = None, axis_name=None) -> dispatch.Choice:
+  """The implementation `matmul_all_reduce` would use, without running it
+  (arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes)."""
+  return _MATMUL_ALL_REDUCE.choose(
+      impl, dispatch.in_processes(_bind_matmul(x, w, state, axis_size, index), axis_name))
 
 
 def explain_all_reduce(x, state=None, *, axis_size: int, impl: str = "auto",
@@ -189,3 +282,47 @@ def all_gather(x, state=None, *, axis_name, impl: str = "auto"):
     return lamport.all_gather(x, state, axis_name=axis_name)
   return lax.all_gather(x, axis_name, tiled=True), state
 
+
+
+def matmul_all_reduce(x, w, state=None, *, axis_name, impl: str = "auto",
+                      index: int | None = None):
+  """x @ w summed over `axis_name` on every device, inside `jax.shard_map`
+  (a row-parallel matmul of replicated rows: `lax.psum(x @ w, axis_name)`).
+
+  Args:
+    x: [rows, K], this device's columns of the rows.
+    w: [K, N], this device's rows of the weight; or [L, K, N] with `index`
+      (stacked layers' weights; the kernel reads w[index] in place).
+    state: None, or the `ExchangeState` of `fresh_matmul_state(rows, N)`
+      (first call) or the previous call's; the "pallas" impl needs it.
+      Donate it, as for `all_reduce`.
+    axis_name: the mesh axis to sum over (size D), bound by shard_map.
+    impl: "auto" tries, in order:
+      "pallas": one kernel (`pallas_kernels.matmul_all_reduce`): each block
+        computes a column tile of x @ w over all of K and stores it straight
+        into every device's Lamport buffer, then sums its columns from every
+        device (Hopper, one process, D >= 2, bf16, rows <= 128, K a multiple
+        of 64, N of 128, a state, XLA's dynamic-slice fusion off as for
+        `all_reduce`); experimental: "auto" does not take it yet;
+      "xla": `jnp.dot` in x's dtype, then `lax.psum`.
+      A named impl that cannot run raises. See `explain_matmul_all_reduce`.
+    index: with a stacked w, the static index of the weight in it.
+
+  Returns:
+    (out, state): out [rows, N] in x's dtype on every device (the kernel:
+    each device's product rounded to x's dtype, summed in float32 in device
+    order, the same bits everywhere); the state for the next call (the XLA
+    path returns it unchanged).
+
+  Raises:
+    ValueError: unbound axis_name, x or w of the wrong rank or shape, a
+      state that does not fit, an impl that cannot run here.
+  """
+  choice = _MATMUL_ALL_REDUCE.choose(impl, dispatch.in_processes(
+      _bind_matmul(x, w, state, _validate.bound_axis_size(axis_name), index), axis_name))
+  if choice.impl == "pallas" and not _UNFUSED.get():
+    return fused_kernel.matmul_all_reduce(x, w, state, axis_name=axis_name, index=index)
+  product = jnp.dot(x, w if index is None else w[index], preferred_element_type=x.dtype)
+  if choice.impl == "pallas":
+    return lamport.all_reduce(product, state, axis_name=axis_name)
+  return lax.psum(product, axis_name), state

@@ -178,7 +178,8 @@ class DecodeExchanges(NamedTuple):
   devices, sharded over the axis; None where the site takes the XLA path),
   or the site's `dispatch.Choice` (`decode_exchange_choices`).
 
-  summed: o's and down's all-reduces, [B, H] operands.
+  summed: o's and down's matmuls and their sums over the axis
+    (`decode_collectives.matmul_all_reduce`), [B, H] outputs.
   gathered: the heads' gather, [B, (Hq + 2 Hkv) / D * Dh] operands (each
     device's q, k and v heads side by side).
   """
@@ -329,10 +330,10 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   if decode_batch is not None and cache_len is not None:
     if decode_activations == "replicated":
       sites = decode_exchange_choices(c, axis_size=d, batch=decode_batch, impl=impl)
-      choices += [(f"decode {name}", f"local matmul{then} (activations replicated)")
-                  for name, then in (("qkv", f", then the heads' {sites.gathered}"),
-                                     ("o", f", then {sites.summed}"), ("gate_up", ""),
-                                     ("down", f", then {sites.summed}"), ("head", ""))]
+      choices += [(f"decode {name}", f"{how} (activations replicated)")
+                  for name, how in (("qkv", f"local matmul, then the heads' {sites.gathered}"),
+                                    ("o", sites.summed), ("gate_up", "local matmul"),
+                                    ("down", sites.summed), ("head", "local matmul"))]
     else:
       choices += ops(decode_batch, "decode")
     choices.append(("decode attention", explain_flash_decode(
@@ -416,23 +417,30 @@ class _Ops:
     return matmul_reduce_scatter(x, w, axis_name=self.axis_name, impl=self.impl)
 
 
+class LayerWeight(NamedTuple):
+  """One layer's weight left in its stack, [L, ...][index] (read in place by
+  the kernels that take a stacked weight)."""
+  stack: jax.Array
+  index: int
+
+
 @dataclasses.dataclass(frozen=True)
 class _ReplicatedOps(_Ops):
   """The two matmuls over activations replicated on every device (a decode
   step's few rows with `activations="replicated"`): the column-parallel one
-  is a local matmul, the row-parallel one ends in one all-reduce of the
-  partial products in x's dtype (as the BSP reduce-scatter's), through
-  `sum_over_axis`. A layer then exchanges three times (the heads' gather,
-  o's and down's all-reduce) instead of five."""
-  sum_over_axis: Callable[[jax.Array], jax.Array] | None = None
+  is a local matmul, the row-parallel one a matmul whose products are summed
+  over the axis in x's dtype (as the BSP reduce-scatter's partials are),
+  through `matmul_sum`. A layer then exchanges three times (the heads'
+  gather, o's and down's sums) instead of five."""
+  matmul_sum: Callable[[jax.Array, LayerWeight], jax.Array] | None = None
 
   def column(self, x, w):
     """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange."""
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
-  def row(self, x, w):
+  def row(self, x, w: LayerWeight):
     """x [N, K / D] @ w [K / D, C], summed over the axis -> [N, C]."""
-    return self.sum_over_axis(jnp.dot(x, w, preferred_element_type=x.dtype))
+    return self.matmul_sum(x, w)
 
 
 class _Exchanges:
@@ -443,10 +451,11 @@ class _Exchanges:
   def __init__(self, states: "DecodeExchanges", axis_name: str, impl: str):
     self.states, self._axis_name, self._impl = states, axis_name, impl
 
-  def sum(self, x):
-    """x [N, C] summed over the axis."""
-    x, summed = decode_collectives.all_reduce(x, self.states.summed, axis_name=self._axis_name,
-                                              impl=self._impl)
+  def matmul_sum(self, x, w: LayerWeight):
+    """x [N, K] @ w [K, C] summed over the axis -> [N, C]."""
+    x, summed = decode_collectives.matmul_all_reduce(
+        x, w.stack, self.states.summed, axis_name=self._axis_name, impl=self._impl,
+        index=w.index)
     self.states = self.states._replace(summed=summed)
     return x
 
@@ -469,7 +478,8 @@ def exchange_impl_for(impl: str) -> str:
 
 
 def _exchange_shapes(config, batch: int, axis_size: int) -> DecodeExchanges:
-  """Each site's per-device operand shape (rows, cols)."""
+  """Each site's per-device state shape (rows, cols): the sums' output, the
+  gather's operand."""
   heads = (config.q_heads + 2 * config.kv_heads) // axis_size
   return DecodeExchanges(summed=(batch, config.hidden), gathered=(batch, heads * config.head_dim))
 
@@ -478,14 +488,20 @@ def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "
                             axis_name=None) -> DecodeExchanges:
   """Each exchange site's `dispatch.Choice` in a decode step of `batch`
   sequences over replicated activations, the cache holding the kernel's
-  state (`exchange_state`)."""
-  explain = DecodeExchanges(decode_collectives.explain_all_reduce,
-                            decode_collectives.explain_all_gather)
-  return DecodeExchanges(*(
-      fn(jax.ShapeDtypeStruct(shape, config.dtype),
-         decode_collectives.state_shapes(*shape, axis_size), axis_size=axis_size,
-         impl=exchange_impl_for(impl), axis_name=axis_name)
-      for fn, shape in zip(explain, _exchange_shapes(config, batch, axis_size))))
+  state (`exchange_state`); the sums' is down's, or o's where o's is not
+  the kernel."""
+  c, impl = config, exchange_impl_for(impl)
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
+  summed, gathered = _exchange_shapes(c, batch, axis_size)
+  sums = [decode_collectives.explain_matmul_all_reduce(
+      s(batch, k), s(k, c.hidden), decode_collectives.matmul_state_shapes(*summed, axis_size),
+      axis_size=axis_size, impl=impl, axis_name=axis_name)
+      for k in (c.ffn // axis_size, c.q_heads // axis_size * c.head_dim)]
+  return DecodeExchanges(
+      summed=next((choice for choice in sums if choice.impl != "pallas"), sums[0]),
+      gathered=decode_collectives.explain_all_gather(
+          s(*gathered), decode_collectives.state_shapes(*gathered, axis_size),
+          axis_size=axis_size, impl=impl, axis_name=axis_name))
 
 
 def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeExchanges:
@@ -500,9 +516,10 @@ def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeEx
   lost a store that way: 2 H200s, session 43).
   """
   mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
-  return DecodeExchanges(*(
-      decode_collectives.fresh_state(*shape, axis_name=axis_name, mesh=mesh)
-      for shape in _exchange_shapes(config, batch, mesh.shape[axis_name])))
+  summed, gathered = _exchange_shapes(config, batch, mesh.shape[axis_name])
+  return DecodeExchanges(
+      summed=decode_collectives.fresh_matmul_state(*summed, axis_name=axis_name, mesh=mesh),
+      gathered=decode_collectives.fresh_state(*gathered, axis_name=axis_name, mesh=mesh))
 
 
 def _embed(tokens, table, axis_name, *, replicated: bool = False):
@@ -820,7 +837,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
         None if state is None else jax.tree.map(lambda a: a[0], state)
         for state in exchange or (None, None))), axis_name, exchange_impl_for(impl))
     layer_ops = (_ReplicatedOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(_Ops)},
-                                sum_over_axis=exchanges.sum) if replicated else ops)
+                                matmul_sum=exchanges.matmul_sum) if replicated else ops)
     s_shard = k_cache[0].shape[1]
     # Where the new token goes on this device (S_shard: not here, dropped).
     slot = lengths - me * s_shard
@@ -850,8 +867,10 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     x = _embed(tokens, params["embed"], axis_name, replicated=replicated)
     k_out, v_out = [], []
     for i in range(layers):
-      x, k_i, v_i = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]),
-                          k_cache[i], v_cache[i])
+      p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+      if replicated:  # the row-parallel weights stay in their stacks (`matmul_all_reduce`)
+        p.update({name: LayerWeight(params["layers"][name], i) for name in ("w_o", "w_down")})
+      x, k_i, v_i = layer(x, p, k_cache[i], v_cache[i])
       k_out.append(k_i)
       v_out.append(v_i)
     logits = layer_ops.column(_rms_norm(x, params["norm_final"], c.eps), params["w_head"])

@@ -423,6 +423,7 @@ class TileMatmul:
       first=None,
       last=None,
       during_k: Callable | None = None,
+      epilogue: Callable | None = None,
   ) -> None:
     """Computes out_tile = a_rows @ b_cols.
 
@@ -447,6 +448,10 @@ class TileMatmul:
         call of a block must then get them, in order.
       during_k: called as during_k(k_idx) by both compute warpgroups at every
         K step, after issuing the step's wgmma and before awaiting it.
+      epilogue: None, or called as epilogue(result) by each compute
+        warpgroup in place of the stores into `out_tile` (then None): result
+        [tile_m, tile_n] in the core's out_dtype, the warpgroup's part of the
+        tile (`warpgroup_part`) in the wgmma's register layout.
     """
     t = self.tiles
     wg = lax.axis_index(WG_AXIS)
@@ -454,6 +459,8 @@ class TileMatmul:
 
     if send_a is not None and not self.sends_a:
       raise ValueError("send_a needs a core built with sends_a=True.")
+    if (epilogue is None) == (out_tile is None):
+      raise ValueError("give the tile either an out_tile or an epilogue.")
     stores = tuple(out_tile) if isinstance(out_tile, (tuple, list)) else (TileStore(out_tile),)
 
     def mma(idxs, a_smem, b_smem, *consumed_and_acc):
@@ -500,8 +507,11 @@ class TileMatmul:
         run_k_loop(acc)
         if after_k is not None:
           after_k()
-        self._epilogue(acc[...].astype(self.out_dtype), stores, (wg_rows, wg_cols),
-                       scratch["out_smem"].at[wg])
+        result = acc[...].astype(self.out_dtype)
+        if epilogue is not None:
+          epilogue(result)
+        else:
+          self._epilogue(result, stores, (wg_rows, wg_cols), scratch["out_smem"].at[wg])
 
     def run(state):
       self._pipeline(mma, compute_context, state, before_load)(

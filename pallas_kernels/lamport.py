@@ -150,13 +150,48 @@ def check_operands(x, state: LamportState, d: int, config: LamportConfig | None 
   check_state(rows, cols, d, state, config)
 
 
-def _ptx(d: int, length: int, blocks: int, gather: bool = False) -> str:
-  """The whole kernel, per thread. Operands: $0 x, $1 out, $2 this device's
-  buffers, $3 counts, $4 addresses, $5.. each device's buffers from this
-  device's slot on (d of them). `gather`: each source's chunk copied to its
-  block of the output, else the sources summed."""
-  chunks = length // CHUNK
-  stride = blocks * THREADS
+@dataclasses.dataclass(frozen=True)
+class ThreadMap:
+  """How a kernel's threads share the operand: PTX snippets for
+  `exchange_ptx`.
+
+  Attributes:
+    setup: sets `lb` (the thread's exchange block: its row of the state's
+      addresses, 128 of its counts) and `lt` (the thread in that block,
+      0..127); may declare registers of its own.
+    chunk_loop: chunk_loop(label, body) runs `body` for each of the thread's
+      16-byte chunks, with `off` (u64) the chunk's byte offset in the
+      [rows * cols] operand (and whatever `load` needs set).
+    load: loads the chunk's four 32-bit words of the operand into w0..w3.
+  """
+  setup: str
+  chunk_loop: object
+  load: str
+
+
+def flat_thread_map(length: int, blocks: int) -> ThreadMap:
+  """The stand-alone kernels': block b's thread t takes chunks b * 128 + t,
+  then every (blocks * 128)-th; the operand $0 in global memory."""
+  chunks, stride = length // CHUNK, blocks * THREADS
+
+  def chunk_loop(label: str, body: str) -> str:
+    return (f"mad.lo.u32 t, lb, {THREADS}, lt;\ncvt.u64.u32 c, t;\n{label}:\n"
+            f"setp.ge.u64 p, c, {chunks};\n@p bra {label}_DONE;\n"
+            f"shl.b64 off, c, 4;\n{body}\nadd.u64 c, c, {stride};\nbra {label};\n{label}_DONE:")
+
+  return ThreadMap(setup="mov.u32 lb, %ctaid.x;\nmov.u32 lt, %tid.x;", chunk_loop=chunk_loop,
+                   load="add.u64 a, $0, off;\nld.global.nc.v4.b32 {w0, w1, w2, w3}, [a];")
+
+
+def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False) -> str:
+  """The exchange, per thread: each of the thread's chunks of the operand
+  (-0.0 made +0.0) stored into this device's slot of every device's buffer
+  of this call's rotation, the buffer of call t + 2 refilled with the
+  sentinel, then each chunk of every source awaited in this device's buffer
+  and summed in float32 in device order (`gather`: copied to the source's
+  block of the output). Operands: $0 the operand (as `threads.load` reads
+  it), $1 out, $2 this device's buffers, $3 counts, $4 addresses, $5.. each
+  device's buffers from this device's slot on (d of them)."""
   rotation_bytes = length * 2
   source_bytes = ROTATION * rotation_bytes
   words = ("w0", "w1", "w2", "w3")
@@ -203,21 +238,14 @@ def _ptx(d: int, length: int, blocks: int, gather: bool = False) -> str:
            f"st.global.v2.b32 [row+{8 * k}], {{v0, v1}};"
            for k, ptr in enumerate(["$2", *dst])]
   newline = "\n"
-
-  def chunk_loop(label: str, body: str) -> str:
-    """`body` for each of this thread's chunks c (byte offset `off`)."""
-    return (f"cvt.u64.u32 c, gt;\n{label}:\nsetp.ge.u64 p, c, {chunks};\n@p bra {label}_DONE;\n"
-            f"shl.b64 off, c, 4;\n{body}\nadd.u64 c, c, {stride};\nbra {label};\n{label}_DONE:")
-
   return f"""{{
 .reg .pred p, q, first;
-.reg .b32 spins, tid, cta, gt, cnt, slot, prev, t, s, z, w0, w1, w2, w3, u0, u1, v0, v1;
+.reg .b32 spins, lb, lt, gt, cnt, slot, prev, t, s, z, w0, w1, w2, w3, u0, u1, v0, v1;
 .reg .f32 f, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7;
 .reg .b64 c, off, a, rot, old, row, cp;
 mov.b32 z, 0;
-mov.u32 tid, %tid.x;
-mov.u32 cta, %ctaid.x;
-mad.lo.u32 gt, cta, {THREADS}, tid;
+{threads.setup}
+mad.lo.u32 gt, lb, {THREADS}, lt;
 mul.wide.u32 cp, gt, 4;
 add.u64 cp, $3, cp;
 ld.global.u32 cnt, [cp];
@@ -227,21 +255,20 @@ rem.u32 prev, prev, {ROTATION};
 mul.wide.u32 rot, slot, {rotation_bytes};
 mul.wide.u32 old, prev, {rotation_bytes};
 mov.b32 s, {SENTINEL_BITS * 0x10001};
-setp.eq.u32 first, tid, 0;
+setp.eq.u32 first, lt, 0;
 @!first bra CHECKED;
-mul.wide.u32 row, cta, {8 * (d + 1)};
+mul.wide.u32 row, lb, {8 * (d + 1)};
 add.u64 row, $4, row;
 setp.ne.u32 q, z, z;
 {newline.join(check)}
 setp.ne.and.u32 q, cnt, 0, q;
 @q trap;
 CHECKED:
-{chunk_loop("SEND", f"""add.u64 a, $0, off;
-ld.global.nc.v4.b32 {vec}, [a];
+{threads.chunk_loop("SEND", f"""{threads.load}
 {newline.join(f"add.rn.bf16x2 {w}, {w}, z;" for w in words)}
 {newline.join(send)}
 {newline.join(refill)}""")}
-{chunk_loop("RECEIVE", received)}
+{threads.chunk_loop("RECEIVE", received)}
 add.u32 cnt, cnt, 1;
 st.global.u32 [cp], cnt;
 }}"""
@@ -287,7 +314,7 @@ def _exchange(x, state, axis_name, config, *, gather: bool):
   config = config or default_config(*x.shape)
   check_operands(x, state, d, config)
   rows, cols = x.shape
-  ptx = _ptx(d, rows * cols, config.blocks, gather)
+  ptx = exchange_ptx(d, rows * cols, flat_thread_map(rows * cols, config.blocks), gather)
 
   def body(x_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 1-3
     me = lax.axis_index(axis_name)

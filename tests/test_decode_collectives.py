@@ -21,6 +21,7 @@ from jax_overlap import decode_collectives
 from jax_overlap import dispatch
 from jax_overlap import transformer
 from pallas_kernels import lamport
+from pallas_kernels import matmul_all_reduce
 import testkit
 from testkit import AXIS
 
@@ -84,7 +85,7 @@ def test_kernel_support_names_what_is_missing(monkeypatch):
       problem(True))
   monkeypatch.setenv("XLA_FLAGS", "--foo --xla_gpu_enable_dynamic_slice_fusion=false")
   assert decode_collectives._pallas_support(problem(True)) is None
-  assert "pass state=init_state(rows, cols, axis_size)" in decode_collectives._pallas_support(
+  assert "pass state=fresh_state(rows, cols, axis_name=...)" in decode_collectives._pallas_support(
       problem(False))
   assert "exchanges bfloat16 operands, got float32" in decode_collectives._pallas_support(
       decode_collectives.Problem(4, 32, 8192, jnp.dtype(jnp.float32), True))
@@ -155,7 +156,8 @@ def test_kernel_ptx_assembles(d, gather, tmp_path):
   if ptxas is None:
     pytest.skip("ptxas (CUDA toolkit) is not installed here")
   operands = 5 + d
-  body = re.sub(r"\$(\d+)", r"r\1", lamport._ptx(d, 32 * 8192, 256, gather))
+  body = re.sub(r"\$(\d+)", r"r\1", lamport.exchange_ptx(
+      d, 32 * 8192, lamport.flat_thread_map(32 * 8192, 256), gather))
   params = ", ".join(f".param .u64 p{i}" for i in range(operands))
   loads = "\n".join(f"ld.param.u64 r{i}, [p{i}];" for i in range(operands))
   src = tmp_path / "kernel.ptx"
@@ -177,46 +179,63 @@ def _counted(collective):
   return kernel
 
 
-def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch):
+def _counted_matmul_sum(x, w, state, *, axis_name, index=None):
+  """A stand-in for the matmul + all-reduce kernel: the stacked weight's
+  layer `index`, the product summed by `lax.psum` in float32, the state's
+  counts advanced."""
+  out = lax.psum(jnp.dot(x, w[index], preferred_element_type=jnp.float32), axis_name)
+  return out.astype(x.dtype), state._replace(counts=state.counts + 1)
+
+
+@pytest.mark.parametrize("unfused", [False, True])
+def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, unfused):
   """With the kernels chosen (stand-ins here), a decode step refuses a
   cache without their states, and threads the states that `exchange_state`
-  made through its calls: per layer per step two all-reduces and one gather
-  of the heads, and the logits of the XLA model."""
-  for name in ("_ALL_REDUCE", "_ALL_GATHER"):
+  made through its calls: per layer per step two matmul sums (the fused
+  kernel's, or under `unfused_matmul_sums` the all-reduce kernel's after
+  XLA's matmul) and one gather of the heads, and the logits of the XLA
+  model."""
+  for name in ("_ALL_REDUCE", "_ALL_GATHER", "_MATMUL_ALL_REDUCE"):
     monkeypatch.setattr(decode_collectives, name, dispatch.Op(name, {
         "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
   monkeypatch.setattr(decode_collectives.lamport, "all_reduce", _counted(lax.psum))
   monkeypatch.setattr(decode_collectives.lamport, "all_gather", _counted(
       functools.partial(lax.all_gather, tiled=True)))
-  d, layers, batch = 2, 2, 3
-  config = transformer.MODELS["tiny"]
-  mesh = testkit.mesh_1d(d)
-  with jax.set_mesh(mesh):
-    params = jax.tree.map(lambda a, s: jax.reshard(a, s), transformer.init_params(
-        jax.random.key(3), config, layers), transformer.param_specs(AXIS))
-    tokens = testkit.put(mesh, np.arange(batch, dtype=np.int32), P())
-    caches, logits = {}, {}
-    for impl in ("pallas", "xla_bsp"):
-      step = jax.jit(functools.partial(
-          transformer.decode_step, config=config, axis_name=AXIS, impl=impl,
-          decode_impl="xla_bsp", activations="replicated"), donate_argnums=2)
-      cache = jax.tree.map(lambda a, s: jax.reshard(a, s),
-                           transformer.empty_cache(config, layers, batch, 16),
-                           transformer.cache_specs(AXIS, layers))
-      if impl == "pallas":
-        with pytest.raises(ValueError, match=r"cache.exchange is None.*exchange_state\("):
-          step(params, tokens, cache)
-        cache = cache._replace(exchange=transformer.exchange_state(config, batch, axis_name=AXIS))
-        assert all((np.asarray(s.counts) == 0).all() for s in cache.exchange)
-      seen = []
-      for _ in range(2):
-        out, cache = step(params, tokens, cache)
-        seen.append(out)
+  monkeypatch.setattr(decode_collectives.fused_kernel, "matmul_all_reduce", _counted_matmul_sum)
+  with decode_collectives.unfused_matmul_sums(unfused):
+    d, layers, batch = 2, 2, 3
+    config = transformer.MODELS["tiny"]
+    mesh = testkit.mesh_1d(d)
+    with jax.set_mesh(mesh):
+      params = jax.tree.map(lambda a, s: jax.reshard(a, s), transformer.init_params(
+          jax.random.key(3), config, layers), transformer.param_specs(AXIS))
+      tokens = testkit.put(mesh, np.arange(batch, dtype=np.int32), P())
+      caches, logits = {}, {}
+      for impl in ("pallas", "xla_bsp"):
+        step = jax.jit(functools.partial(
+            transformer.decode_step, config=config, axis_name=AXIS, impl=impl,
+            decode_impl="xla_bsp", activations="replicated"), donate_argnums=2)
+        cache = jax.tree.map(lambda a, s: jax.reshard(a, s),
+                             transformer.empty_cache(config, layers, batch, 16),
+                             transformer.cache_specs(AXIS, layers))
         if impl == "pallas":
-          for state, per_layer in zip(cache.exchange, (2, 1)):
-            counts = np.asarray(state.counts)
-            assert counts.shape[0] == d and (counts == per_layer * layers * len(seen)).all()
-      caches[impl], logits[impl] = cache, seen
-  assert caches["xla_bsp"].exchange is None
-  for got, want in zip(logits["pallas"], logits["xla_bsp"]):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+          with pytest.raises(ValueError, match=r"cache.exchange is None.*exchange_state\("):
+            step(params, tokens, cache)
+          cache = cache._replace(exchange=transformer.exchange_state(config, batch, axis_name=AXIS))
+          assert all((np.asarray(s.counts) == 0).all() for s in cache.exchange)
+          summed = lamport.state_shapes(batch, config.hidden, d, (
+              lamport.default_config(batch, config.hidden) if unfused
+              else matmul_all_reduce.exchange_config(config.hidden)))
+          assert cache.exchange.summed.counts.shape[1:] == summed.counts.shape
+        seen = []
+        for _ in range(2):
+          out, cache = step(params, tokens, cache)
+          seen.append(out)
+          if impl == "pallas":
+            for state, per_layer in zip(cache.exchange, (2, 1)):
+              counts = np.asarray(state.counts)
+              assert counts.shape[0] == d and (counts == per_layer * layers * len(seen)).all()
+        caches[impl], logits[impl] = cache, seen
+    assert caches["xla_bsp"].exchange is None
+    for got, want in zip(logits["pallas"], logits["xla_bsp"]):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)

@@ -1,4 +1,6 @@
-"""jax_overlap.decode_collectives' Lamport kernels on Hopper GPUs at D = 2 and 4.
+"""jax_overlap.decode_collectives' Lamport kernels on Hopper GPUs at D = 2 and 4
+(the all-reduce, the all-gather, the matmul with the all-reduce in its
+epilogue).
 
 Every device's output of every checked call must equal, bit for bit, the
 kernel's contract: for the all-reduce, the float32 sum of the devices' bf16
@@ -7,7 +9,8 @@ devices' operands in device order (-0.0 as +0.0). Operands hold zeros of both
 signs; calls are threaded through one donated state (the buffers' rotation
 wraps many times), run under `lax.scan`, and two states are interleaved with
 XLA's collectives in one program. The buffers' addresses, which the kernel
-records, must not move.
+records, must not move. The fused matmul's output must be the same bits on
+every device and the float64 sum of the products within its rounding.
 
 Marked `gpu`: skipped without 2+ Hopper GPUs (tests/conftest.py).
 """
@@ -157,3 +160,93 @@ def test_scan_and_two_states_interleaved_with_other_collectives(d):
       want = np.tile(_gathered(xb[:, t])[:1], (d, 1))
       for i in range(d):
         np.testing.assert_array_equal(np.asarray(gathered[i, t], np.float32), want)
+
+
+def _products(x, w):
+  """Each device's product, float64: x [D, rows, K] @ w [D, K, N]."""
+  return np.einsum("drk,dkn->drn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+
+
+def _check_matmul_sum(out, x, w, what):
+  """Every device's [rows, N] equals every other's bit for bit and the
+  float64 sum of the products within the kernel's rounding: each product
+  rounded to bf16 (unit roundoff 2^-8), the float32 sum rounded once."""
+  got = np.asarray(out, np.float32)
+  for i in range(1, len(got)):
+    differ = np.flatnonzero(got[i].view(np.uint32) != got[0].view(np.uint32))
+    assert differ.size == 0, f"{what}: device {i} differs from device 0 at {differ.size} elements"
+  products = _products(x, w)
+  want = products.sum(0)
+  bound = 2.0 ** -8 * (np.abs(products).sum(0) + np.abs(want)) * 1.05 + 1e-6
+  err = np.abs(got[0] - want)
+  bad = np.flatnonzero(err > bound)
+  assert bad.size == 0, (f"{what}: {bad.size} of {want.size} elements off, worst"
+                         f" {err.max():.3g} at {np.unravel_index(err.argmax(), want.shape)}")
+
+
+@pytest.mark.parametrize("rows, k, n, index", [(32, 2048, 8192, None), (3, 128, 256, 1),
+                                               (128, 512, 1024, 0)])
+@pytest.mark.parametrize("d", [2, 4])
+def test_matmul_all_reduce_repeated_calls(d, rows, k, n, index):
+  """The fused kernel, 12 calls threaded through one donated state, fresh
+  operands each call (w stacked with `index` where given); every device's
+  output checked."""
+  mesh = testkit.mesh_1d(d)
+  gen = testkit.rng("matmul_all_reduce_gpu", d, rows, k)
+  layers = () if index is None else (2,)
+
+  def per(x, w, state):
+    out, state = decode_collectives.matmul_all_reduce(x[0], w[0], _unstack(state), axis_name=AXIS,
+                                                      impl="pallas", index=index)
+    return out[None], _stack(state)
+
+  step = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
+                               out_specs=(P(AXIS), P(AXIS))), donate_argnums=2)
+  state = decode_collectives.fresh_matmul_state(rows, n, axis_name=AXIS, mesh=mesh)
+  first = None
+  for call in range(12):
+    x = testkit.normal(gen, (d, rows, k), jnp.bfloat16)
+    w = (testkit.normal(gen, (d, *layers, k, n), jnp.bfloat16) / np.sqrt(k)).astype(jnp.bfloat16)
+    out, state = step(testkit.put(mesh, x, P(AXIS)), testkit.put(mesh, w, P(AXIS)), state)
+    _check_matmul_sum(out, x, w if index is None else w[:, index], f"call {call}")
+    where = _addresses(state, d)
+    first = where if first is None else first
+    np.testing.assert_array_equal(where, first, err_msg=f"buffers moved at call {call}")
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_matmul_all_reduce_in_a_scan_between_other_collectives(d):
+  """A 10-step scan: each step's fused matmul sum feeds the next step's x
+  (its first K columns, scaled), with a psum and an all-gather between;
+  the program run twice with the state donated. Each step is checked on
+  the kernel's own input."""
+  mesh = testkit.mesh_1d(d)
+  gen = testkit.rng("matmul_all_reduce_gpu_scan", d)
+  steps, rows, k, n = 10, 16, 1024, 2048
+
+  def per(x, ws, state):
+    def body(carry, w):
+      x, state = carry
+      out, state = decode_collectives.matmul_all_reduce(x, w, state, axis_name=AXIS,
+                                                        impl="pallas")
+      scale = lax.psum(jnp.ones((), jnp.float32), AXIS) / d
+      peers = lax.all_gather(out[:1], AXIS, tiled=True)
+      nxt = (out[:, :k] * scale * 0.5).astype(x.dtype)
+      return (nxt, state), (x, out, peers)
+
+    (_, state), (xs, outs, peers) = lax.scan(body, (x[0], _unstack(state)), ws[0])
+    return xs[None], outs[None], peers[None], _stack(state)
+
+  # check_vma off: the carried x is the sum (the same on every device) after
+  # the first step, device-varying before it.
+  run = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
+                              out_specs=(P(AXIS),) * 4, check_vma=False), donate_argnums=2)
+  state = decode_collectives.fresh_matmul_state(rows, n, axis_name=AXIS, mesh=mesh)
+  for call in range(2):
+    x = testkit.normal(gen, (d, rows, k), jnp.bfloat16)
+    ws = (testkit.normal(gen, (d, steps, k, n), jnp.bfloat16) / np.sqrt(k)).astype(jnp.bfloat16)
+    *got, state = run(testkit.put(mesh, x, P(AXIS)), testkit.put(mesh, ws, P(AXIS)), state)
+    xs, outs, peers = map(np.asarray, got)
+    for t in range(steps):
+      _check_matmul_sum(outs[:, t], xs[:, t], ws[:, t], f"call {call} step {t}")
+      np.testing.assert_array_equal(peers[0, t], np.tile(outs[0, t, :1], (d, 1)))
