@@ -7,9 +7,10 @@
         [--matmul_shapes=32x2048x8192,32x7168x8192] [--out_dir=...]
 
 matmul_all_reduce (rows x K x N per device; the 70B-like decode step's o and
-down at D = 4 by default) runs four cases: "xla" (XLA's matmul, then psum),
-"unfused" (XLA's matmul, then the Lamport all-reduce kernel), "fused" (the
-kernel with the all-reduce in its epilogue) and "gemm" (XLA's matmul alone,
+down at D = 4 by default) runs five cases: "xla" (XLA's matmul, then psum),
+"unfused" (XLA's matmul, then the Lamport all-reduce kernel), "fused_n" and
+"fused_m" (the kernel with the all-reduce in its epilogue, its warpgroups
+side by side or stacked) and "gemm" (XLA's matmul alone,
 no exchange: the floor the exchange is hidden under). For it, "busy" is
 each device's kernel time per call in the chain (the matmul, the exchange
 and the chain's slice-and-scale), and its error is over the float64 sum of
@@ -49,6 +50,7 @@ from benchmarks import spmd
 from benchmarks import timeline
 from jax_overlap import decode_collectives
 from pallas_kernels import lamport
+from pallas_kernels import matmul_all_reduce as fused_kernel
 
 _OPS = flags.DEFINE_list("collectives", ["all_reduce", "all_gather"],
                          "all_reduce, all_gather, matmul_all_reduce.")
@@ -145,7 +147,13 @@ def _case(op, name, config, rows, cols, mesh, d) -> dict:
   return record
 
 
-MATMUL_CASES = ("xla", "unfused", "fused", "gemm")
+MATMUL_CASES = ("xla", "unfused", "fused_n", "fused_m", "gemm")
+
+
+def _fused_config(case: str, rows: int, k: int, w) -> fused_kernel.MatmulAllReduceConfig:
+  """The kernel's default tiles with the warpgroups side by side
+  ("fused_n") or stacked ("fused_m")."""
+  return fused_kernel.default_config(rows, k, w.shape[-1], wg_split=case[-1])
 
 
 def _matmul_program(case: str, mesh, k: int, chain: int):
@@ -159,11 +167,15 @@ def _matmul_program(case: str, mesh, k: int, chain: int):
     for _ in range(max(chain, 1)):
       if case == "gemm":
         out = jnp.dot(x, w, preferred_element_type=x.dtype)
+      elif case.startswith("fused"):
+        out, state = fused_kernel.matmul_all_reduce(x, w, state, axis_name=AXIS,
+                                                    config=_fused_config(case, *x.shape, w))
       else:
         with decode_collectives.unfused_matmul_sums(case == "unfused"):
           out, state = decode_collectives.matmul_all_reduce(
               x, w, state, axis_name=AXIS, impl="xla" if case == "xla" else "pallas")
-      x = out if chain == 0 else (out[:, :k] * 0.5).astype(x.dtype)
+      x = out if chain == 0 else (jnp.tile(out, (1, -(-k // out.shape[1])))[:, :k] * 0.5
+                                  ).astype(x.dtype)
     return x[None], None if state is None else lamport.LamportState(*(a[None] for a in state))
 
   return jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
@@ -179,7 +191,10 @@ def _matmul_case(case, rows, k, n, mesh, d) -> dict:
   def state():
     if case in ("xla", "gemm"):
       return None
-    with decode_collectives.unfused_matmul_sums(case == "unfused"):
+    if case.startswith("fused"):
+      return lamport.fresh_global_state(rows, n, mesh=mesh, axis_name=AXIS, config=(
+          fused_kernel.exchange_config(n, _fused_config(case, rows, k, w))))
+    with decode_collectives.unfused_matmul_sums():
       return decode_collectives.fresh_matmul_state(rows, n, axis_name=AXIS, mesh=mesh)
 
   got, _ = _matmul_program(case, mesh, k, 0)(x, w, state())

@@ -44,7 +44,7 @@ from pallas_kernels import vma
 
 KERNEL_NAME = "matmul_all_reduce"
 MAX_ROWS = 128
-CTA_N = 128  # the default tiles' columns per block: two warpgroups of 64
+CTA_N = 128  # columns per block side by side: two warpgroups of 64
 # The ring's depth: as deep as shared memory allows, up to this (a block
 # streams a [K_shard, cta_n] strip of w alone, so it keeps as many loads in
 # flight as it can).
@@ -53,8 +53,11 @@ MAX_STAGES = 8
 
 @dataclasses.dataclass(frozen=True)
 class MatmulAllReduceConfig:
-  """tiles: the GEMM core's tiles; tile_m spans every row (64 or 128), the
-  two warpgroups side by side (wg_split "n"), one column tile per block."""
+  """tiles: the GEMM core's tiles, one column tile per block, spanning every
+  row: the warpgroups side by side (wg_split "n": tile_m 64 or 128 >= rows,
+  cta_n = 2 tile_n) or stacked (wg_split "m": tile_m 64, 2 x 64 >= rows,
+  cta_n = tile_n: twice the blocks, each streaming half the columns; at
+  <= 64 rows the second warpgroup's rows are all TMA's zero fill)."""
   tiles: gemm_core.GemmTiles
 
 
@@ -62,7 +65,8 @@ def exchange_config(n: int, config: MatmulAllReduceConfig | None = None
                     ) -> lamport.LamportConfig:
   """The Lamport config of the kernel's state: one exchange block per
   compute warpgroup, two per column tile (config None: the default tiles')."""
-  return lamport.LamportConfig(blocks=2 * (n // (config.tiles.cta_n if config else CTA_N)))
+  config = config or default_config(1, lamport.CHUNK * 8, n)  # its columns per block
+  return lamport.LamportConfig(blocks=2 * (n // config.tiles.cta_n))
 
 
 def _slab_bytes(tiles: gemm_core.GemmTiles) -> int:
@@ -70,12 +74,17 @@ def _slab_bytes(tiles: gemm_core.GemmTiles) -> int:
   return 2 * tiles.tile_m * tiles.tile_n * 2
 
 
-def default_config(rows: int, k: int, n: int) -> MatmulAllReduceConfig:
-  """64 rows (128 past 64), 2 x 64 columns per block, the deepest ring that
-  fits shared memory (up to MAX_STAGES and the K steps)."""
-  span = 64 if rows <= 64 else 128
-  tiles = gemm_core.GemmTiles(tile_m=span, tile_n=CTA_N // 2, wg_split="n", stages=2,
-                              epi_tile_m=64, epi_tile_n=64, epi_slots=1)
+def default_config(rows: int, k: int, n: int, *, wg_split: str = "n") -> MatmulAllReduceConfig:
+  """CTA_N columns per block (wg_split "n": 64 rows, 128 past 64; "m": 64
+  columns, two stacked warpgroups of 64 rows), the deepest ring that fits
+  shared memory (up to MAX_STAGES and the K steps)."""
+  if wg_split == "m":
+    tiles = gemm_core.GemmTiles(tile_m=64, tile_n=CTA_N // 2, wg_split="m", stages=2,
+                                epi_tile_m=64, epi_tile_n=64, epi_slots=1)
+  else:
+    tiles = gemm_core.GemmTiles(tile_m=64 if rows <= 64 else 128, tile_n=CTA_N // 2,
+                                wg_split="n", stages=2, epi_tile_m=64, epi_tile_n=64,
+                                epi_slots=1)
   k_steps = max(2, k // tiles.tile_k)
   while (tiles.stages < min(MAX_STAGES, k_steps) and
          dataclasses.replace(tiles, stages=tiles.stages + 1).smem_bytes(2) + _slab_bytes(tiles)
@@ -93,11 +102,12 @@ def unsupported_reason(rows: int, k: int, n: int, dtype, config: MatmulAllReduce
   if axis_size < 2:
     return f"the axis has {axis_size} device: nothing to exchange."
   t = config.tiles
-  if t.wg_split != "n" or t.tile_m not in (64, 128) or not 1 <= rows <= t.tile_m:
-    return (f"the kernel needs every row in one tile of 64 or 128 rows with the warpgroups side"
-            f" by side: {rows} rows, tiles of {t.tile_m} (wg_split={t.wg_split!r}); at most"
-            f" {MAX_ROWS} rows.")
-  if reason := t.unsupported_reason(t.tile_m, k, n, 2):
+  if (t.tile_m not in (64, 128) or (t.wg_split == "m" and t.tile_m != 64)
+      or not 1 <= rows <= t.cta_m):
+    return (f"the kernel needs every row in one tile: {rows} rows, tiles of {t.cta_m} rows"
+            f" (tile_m={t.tile_m}, wg_split={t.wg_split!r}; tile_m 64 or 128 side by side, 64"
+            f" stacked); at most {MAX_ROWS} rows.")
+  if reason := t.unsupported_reason(t.cta_m, k, n, 2):
     return reason
   if (need := t.smem_bytes(2) + _slab_bytes(t)) > gemm_core.SMEM_BYTES:
     return f"the tiles need {need} bytes of shared memory, more than {gemm_core.SMEM_BYTES}."
@@ -118,30 +128,40 @@ def init_state(rows: int, n: int, d: int, config: MatmulAllReduceConfig | None =
 
 def _thread_map(rows: int, n: int, tiles: gemm_core.GemmTiles) -> lamport.ThreadMap:
   """Compute warpgroup wg of block b is exchange block 2 b + wg; its thread
-  lt takes chunks lt, lt + 128, ... of the warpgroup's [rows, tile_n] part,
+  lt takes chunks lt, lt + 128, ... of the warpgroup's part of the tile
+  (`GemmTiles` / `TileMatmul.warpgroup_part`: all rows and tile_n columns
+  side by side, or its tile_m rows stacked, as far as `rows` reaches),
   row-major, read from its slab of shared memory ($0: the slabs' 32-bit
   shared address)."""
   per_row = tiles.tile_n // lamport.CHUNK
   slab = tiles.tile_m * tiles.tile_n * 2
+  if tiles.wg_split == "n":
+    base, part_rows = f"mad.lo.u32 base, wg, {tiles.tile_n}, base;", (rows, rows)
+  else:
+    base = f"mad.lo.u32 base, wg, {tiles.tile_m * n}, base;"
+    part_rows = (min(rows, tiles.tile_m), max(0, rows - tiles.tile_m))
   setup = f"""\
-.reg .b32 wg, col0, ci, rc, cc, sa, soff;
+.reg .pred second;
+.reg .b32 wg, base, limit, ci, rc, cc, sa, soff;
 mov.u32 t, %tid.x;
 shr.u32 wg, t, 7;
 and.b32 lt, t, 127;
 mov.u32 lb, %ctaid.x;
-mul.lo.u32 col0, lb, {tiles.cta_n};
-mad.lo.u32 col0, wg, {tiles.tile_n}, col0;
+mul.lo.u32 base, lb, {tiles.cta_n};
+{base}
+setp.ne.u32 second, wg, 0;
+selp.u32 limit, {part_rows[1] * per_row}, {part_rows[0] * per_row}, second;
 shl.b32 lb, lb, 1;
 add.u32 lb, lb, wg;"""
 
   def chunk_loop(label: str, body: str) -> str:
     return f"""mov.u32 ci, lt;
 {label}:
-setp.ge.u32 p, ci, {rows * per_row};
+setp.ge.u32 p, ci, limit;
 @p bra {label}_DONE;
 div.u32 rc, ci, {per_row};
 rem.u32 cc, ci, {per_row};
-mad.lo.u32 t, rc, {n}, col0;
+mad.lo.u32 t, rc, {n}, base;
 mad.lo.u32 t, cc, {lamport.CHUNK}, t;
 mul.wide.u32 off, t, 2;
 mad.lo.u32 soff, wg, {slab}, 0;

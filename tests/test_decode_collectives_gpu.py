@@ -23,6 +23,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import decode_collectives
+from pallas_kernels import lamport
+from pallas_kernels import matmul_all_reduce
 from pallas_kernels import platform
 import testkit
 from testkit import AXIS
@@ -212,6 +214,33 @@ def test_matmul_all_reduce_repeated_calls(d, rows, k, n, index):
     where = _addresses(state, d)
     first = where if first is None else first
     np.testing.assert_array_equal(where, first, err_msg=f"buffers moved at call {call}")
+
+
+@pytest.mark.parametrize("wg_split", ["n", "m"])
+@pytest.mark.parametrize("rows", [32, 100])
+@pytest.mark.parametrize("d", [2, 4])
+def test_matmul_all_reduce_kernel_tiles(d, rows, wg_split):
+  """The kernel itself with each tile layout (its warpgroups side by side or
+  stacked, the second one's rows partly past `rows`), 6 threaded calls."""
+  mesh = testkit.mesh_1d(d)
+  gen = testkit.rng("matmul_all_reduce_gpu_tiles", d, rows, wg_split)
+  k, n = 1024, 2048
+  config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split)
+
+  def per(x, w, state):
+    out, state = matmul_all_reduce.matmul_all_reduce(x[0], w[0], _unstack(state), axis_name=AXIS,
+                                                     config=config)
+    return out[None], _stack(state)
+
+  step = jax.jit(jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
+                               out_specs=(P(AXIS), P(AXIS))), donate_argnums=2)
+  state = lamport.fresh_global_state(rows, n, mesh=mesh, axis_name=AXIS,
+                                     config=matmul_all_reduce.exchange_config(n, config))
+  for call in range(6):
+    x = testkit.normal(gen, (d, rows, k), jnp.bfloat16)
+    w = (testkit.normal(gen, (d, k, n), jnp.bfloat16) / np.sqrt(k)).astype(jnp.bfloat16)
+    out, state = step(testkit.put(mesh, x, P(AXIS)), testkit.put(mesh, w, P(AXIS)), state)
+    _check_matmul_sum(out, x, w, f"call {call}")
 
 
 @pytest.mark.parametrize("d", [2, 4])
