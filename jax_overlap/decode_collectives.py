@@ -301,9 +301,10 @@ def matmul_all_reduce(x, w, state=None, *, axis_name, impl: str = "auto",
       "pallas": one kernel (`pallas_kernels.matmul_all_reduce`): each block
         computes a column tile of x @ w over all of K and stores it straight
         into every device's Lamport buffer, then sums its columns from every
-        device (Hopper, one process, D >= 2, bf16, rows <= 128, K a multiple
-        of 64, N of 128, a state, XLA's dynamic-slice fusion off as for
-        `all_reduce`); experimental: "auto" does not take it yet;
+        device (Hopper, one process, D >= 2, bf16, rows <= 128 and at most
+        8 or a multiple of 8, K a multiple of 64, N of 128, a state, XLA's
+        dynamic-slice fusion off as for `all_reduce`); experimental: "auto"
+        does not take it yet;
       "xla": `jnp.dot` in x's dtype, then `lax.psum`.
       A named impl that cannot run raises. See `explain_matmul_all_reduce`.
     index: with a stacked w, the static index of the weight in it.

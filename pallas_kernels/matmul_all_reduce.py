@@ -21,8 +21,10 @@ the same rules: donated, never copied between calls, made in a program of
 its own before the first call.
 
 Shapes (per device, inside `shard_map` over `axis_name` of size d >= 2):
-  x: [rows, K_shard] bfloat16, rows <= 128. w: [K_shard, N] bfloat16, K_shard a
-  multiple of 64, N of the CTA tile's columns (128). Output [rows, N] bfloat16.
+  x: [rows, K_shard] bfloat16, rows <= 128 (at most 8 or a multiple of 8). w:
+  [K_shard, N] bfloat16 (or a stack of such), K_shard a multiple of 64, N of
+  the CTA tile's columns (128 side by side, 64 stacked). Output [rows, N]
+  bfloat16.
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ def unsupported_reason(rows: int, k: int, n: int, dtype, config: MatmulAllReduce
     return (f"the kernel needs every row in one tile: {rows} rows, tiles of {t.cta_m} rows"
             f" (tile_m={t.tile_m}, wg_split={t.wg_split!r}; tile_m 64 or 128 side by side, 64"
             f" stacked); at most {MAX_ROWS} rows.")
+  if rows > 8 and rows % 8:
+    # TMA's zero fill past x's rows needs them under 8 or a multiple of 8
+    # (Mosaic GPU refused 100 rows on 4 H100s, session 44).
+    return f"rows must be at most 8 or a multiple of 8, got {rows}."
   if reason := t.unsupported_reason(t.cta_m, k, n, 2):
     return reason
   if (need := t.smem_bytes(2) + _slab_bytes(t)) > gemm_core.SMEM_BYTES:
@@ -182,11 +188,12 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *
   """sum over `axis_name` of x @ w, on every device; inside `shard_map`.
 
   Args:
-    x: [rows, K_shard] bfloat16, rows <= 128. w: [K_shard, N] bfloat16, or
-      [L, K_shard, N] with `index`: w[index] is the weight, read in place
-      (a model's stacked layer weights: a slice as the operand of a custom
-      call is copied whole before it unless XLA's dynamic-slice fusion is
-      on, which the Lamport state cannot have).
+    x: [rows, K_shard] bfloat16, rows <= 128 (at most 8 or a multiple of
+      8).
+    w: [K_shard, N] bfloat16, or [L, K_shard, N] with `index`: w[index] is
+      the weight, read in place (a model's stacked layer weights: a slice as
+      the operand of a custom call is copied whole before it unless XLA's
+      dynamic-slice fusion is on, which the Lamport state cannot have).
     state: the `state_shapes(rows, N, d, config)` state (`init_state`, then
       what the previous call returned), donated into the jitted step.
     axis_name: the axis to sum over (d >= 2 devices).
