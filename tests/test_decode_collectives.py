@@ -147,25 +147,150 @@ def test_kernels_lower_for_cuda_in_place_without_xla_barrier(d, op, out_rows):
   assert f"-> (tensor<{32 * (out_rows or d)}x8192xbf16>" in calls[0]
 
 
-@pytest.mark.parametrize("gather", [False, True])
-@pytest.mark.parametrize("d", [2, 4, 8])
-def test_kernel_ptx_assembles(d, gather, tmp_path):
-  """The kernel's inline PTX, wrapped in an entry whose parameters stand for
-  its operands, assembles for sm_90a (ptxas from the CUDA toolkit)."""
+def _assemble(body: str, d: int, tmp_path, shared_operand: bool = False):
+  """ptxas's result for an exchange's inline PTX wrapped in an entry whose
+  parameters stand for its operands (operand 0 a 32-bit shared-memory
+  address with `shared_operand`, else all 64-bit global pointers)."""
   ptxas = shutil.which("ptxas")
   if ptxas is None:
     pytest.skip("ptxas (CUDA toolkit) is not installed here")
   operands = 5 + d
-  body = re.sub(r"\$(\d+)", r"r\1", lamport.exchange_ptx(
-      d, 32 * 8192, lamport.flat_thread_map(32 * 8192, 256), gather))
-  params = ", ".join(f".param .u64 p{i}" for i in range(operands))
-  loads = "\n".join(f"ld.param.u64 r{i}, [p{i}];" for i in range(operands))
+  body = re.sub(r"\$(\d+)", r"r\1", body.replace("$0", "s0") if shared_operand else body)
+  params = ", ".join([".param .u32 p0" if shared_operand else ".param .u64 p0"]
+                     + [f".param .u64 p{i}" for i in range(1, operands)])
+  loads = "\n".join(["ld.param.u32 s0, [p0];" if shared_operand else "ld.param.u64 r0, [p0];"]
+                    + [f"ld.param.u64 r{i}, [p{i}];" for i in range(1, operands)])
   src = tmp_path / "kernel.ptx"
   src.write_text(f".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k({params}) {{\n"
-                 f".reg .b64 r<{operands}>;\n{loads}\n{body}\nret;\n}}\n")
-  result = subprocess.run([ptxas, "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
-                          capture_output=True, text=True, check=False)
+                 f".reg .b32 s0;\n.reg .b64 r<{operands}>;\n{loads}\n{body}\nret;\n}}\n")
+  return subprocess.run([ptxas, "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
+                        capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_kernel_ptx_assembles(d, gather, tmp_path):
+  """The kernel's inline PTX assembles for sm_90a (ptxas from the CUDA
+  toolkit)."""
+  result = _assemble(lamport.exchange_ptx(
+      d, 32 * 8192, lamport.flat_thread_map(32 * 8192, 256), gather), d, tmp_path)
   assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("wg_split", ["n", "m"])
+@pytest.mark.parametrize("rows", [3, 32, 104])
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_matmul_kernel_ptx_assembles(d, rows, wg_split, tmp_path):
+  """The matmul kernel's exchange (each warpgroup's part of its tile, read
+  from shared memory) assembles for sm_90a."""
+  config = matmul_all_reduce.default_config(rows, 2048, 8192, wg_split=wg_split)
+  body = lamport.exchange_ptx(d, rows * 8192,
+                              matmul_all_reduce._thread_map(rows, 8192, config.tiles))
+  result = _assemble(body, d, tmp_path, shared_operand=True)
+  assert result.returncode == 0, result.stderr
+
+
+def _matmul_cuda_module(d, rows, k, n, layers, config):
+  mesh = jax.make_mesh((d,), (AXIS,))
+  sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
+  index = None if layers is None else layers - 1
+
+  def f(x, w, state):
+    def per(x, w, state):
+      out, state = matmul_all_reduce.matmul_all_reduce(
+          x[0], w[0], lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS, index=index,
+          config=config)
+      return out[None], lamport.LamportState(*(a[None] for a in state))
+    return jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
+                         out_specs=(P(AXIS), P(AXIS)))(x, w, state)
+
+  shapes = matmul_all_reduce.state_shapes(rows, n, d, config)
+  state = lamport.LamportState(*(jax.ShapeDtypeStruct((d, *s.shape), s.dtype, sharding=sharding)
+                                 for s in shapes))
+  x = jax.ShapeDtypeStruct((d, rows, k), jnp.bfloat16, sharding=sharding)
+  w = jax.ShapeDtypeStruct((d, *(() if layers is None else (layers,)), k, n), jnp.bfloat16,
+                           sharding=sharding)
+  return jax.export.export(jax.jit(f, donate_argnums=2), platforms=["cuda"])(
+      x, w, state).mlir_module()
+
+
+@pytest.mark.parametrize("wg_split, layers", [("n", None), ("n", 3), ("m", 2)])
+@pytest.mark.parametrize("d", [2, 4])
+def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers):
+  """One Mosaic GPU custom call (its layout inference and lowering run
+  here), the state operands aliased to its outputs, no XLA barrier, one
+  exchange block per compute warpgroup in the state; a stacked weight
+  reaches the kernel whole (read at its index in place, not sliced)."""
+  rows, k, n = 32, 2048, 8192
+  config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split)
+  assert matmul_all_reduce.exchange_config(n, config).blocks == 2 * n // config.tiles.cta_n
+  module = _matmul_cuda_module(d, rows, k, n, layers, config)
+  calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+  assert len(calls) == 1, calls
+  assert "skip_device_barrier = true" in calls[0]
+  aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)",
+                       calls[0])
+  assert sorted(aliases) == [("1", "2"), ("2", "3"), ("3", "4")], aliases
+  weight = f"tensor<{layers}x{k}x{n}xbf16>" if layers else f"tensor<{k}x{n}xbf16>"
+  assert f"(tensor<{rows}x{k}xbf16>, {weight}" in calls[0], calls[0][:400]
+  assert f"-> (tensor<{rows}x{n}xbf16>" in calls[0]
+
+
+def test_matmul_kernel_support_names_what_does_not_fit():
+  reason = lambda rows, k=2048, n=8192, dtype=jnp.bfloat16, d=4, split="n": (
+      matmul_all_reduce.unsupported_reason(
+          rows, k, n, dtype, matmul_all_reduce.default_config(rows, k, n, wg_split=split),
+          axis_size=d))
+  assert reason(32) is None and reason(3) is None and reason(128, split="m") is None
+  assert "at most 8 or a multiple of 8, got 100" in reason(100)
+  assert "every row in one tile: 200 rows" in reason(200)
+  assert "bfloat16 products, got float16" in reason(32, dtype=jnp.float16)
+  assert "1 device" in reason(32, d=1)
+  assert "K = 2000 is not a multiple of the tile size 64" in reason(32, k=2000)
+  assert "N = 8000 is not a multiple of the tile size 128" in reason(32, n=8000)
+
+
+@pytest.mark.parametrize("index", [None, 1])
+@pytest.mark.parametrize("d", [2, 4])
+def test_xla_matmul_all_reduce_sums_the_products(d, index):
+  """The XLA path: x @ w (w[index] of a stack) summed over the axis, on
+  every device, against float64."""
+  mesh = testkit.mesh_1d(d)
+  gen = testkit.rng("matmul_all_reduce", d, index)
+  layers = () if index is None else (3,)
+  x = testkit.normal(gen, (d, 8, 64), jnp.bfloat16)
+  w = testkit.normal(gen, (d, *layers, 64, 256), jnp.bfloat16)
+
+  def fn(x, w):
+    out, state = decode_collectives.matmul_all_reduce(x[0], w[0], axis_name=AXIS, index=index)
+    assert state is None
+    return out.astype(jnp.float32)[None]
+
+  got = np.asarray(_per_device(fn, mesh, testkit.put(mesh, x, P(AXIS)), testkit.put(mesh, w, P(AXIS))))
+  weights = np.asarray(w, np.float64) if index is None else np.asarray(w, np.float64)[:, index]
+  want = np.einsum("drk,dkn->rn", np.asarray(x, np.float64), weights)
+  for i in range(d):
+    np.testing.assert_allclose(got[i], want, rtol=2 ** -6, atol=2 ** -6 * np.abs(want).max())
+
+
+def test_matmul_all_reduce_explains_and_refuses_by_name():
+  x = jax.ShapeDtypeStruct((32, 2048), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((2048, 8192), jnp.bfloat16)
+  choice = decode_collectives.explain_matmul_all_reduce(
+      x, w, decode_collectives.matmul_state_shapes(32, 8192, 4), axis_size=4)
+  assert choice.impl == "xla" and "pallas rejected: the Pallas kernels need" in str(choice)
+  with pytest.raises(ValueError, match=r"w bfloat16\[1024, 8192\] \(index=None\) does not fit x"):
+    decode_collectives.explain_matmul_all_reduce(
+        x, jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16), axis_size=4)
+  with pytest.raises(ValueError, match=r"index=3\) does not fit"):
+    decode_collectives.explain_matmul_all_reduce(
+        x, jax.ShapeDtypeStruct((3, 2048, 8192), jnp.bfloat16), axis_size=4, index=3)
+  with pytest.raises(ValueError, match=r"does not fit x \[32, 8192\] over 4 devices"):
+    decode_collectives.explain_matmul_all_reduce(
+        x, w, decode_collectives.state_shapes(32, 8192, 4), axis_size=4)
+  with decode_collectives.unfused_matmul_sums():  # the all-reduce kernel's state then fits
+    decode_collectives.explain_matmul_all_reduce(
+        x, w, decode_collectives.state_shapes(32, 8192, 4), axis_size=4)
 
 
 def _counted(collective):
