@@ -6,8 +6,9 @@ Global-view wrappers (apply shard_map themselves):
   sharded_all_gather_matmul, sharded_matmul_reduce_scatter, sharded_flash_decode.
 Which implementation runs: `explain_*` (see `jax_overlap.dispatch`).
 Transformer layers built on them: `jax_overlap.transformer`.
-A decode step's small all-reduces and all-gathers (experimental kernels over
-persistent buffers): `jax_overlap.decode_collectives`.
+A decode step's row-parallel matmul + all-reduce, small all-reduces and
+all-gathers (experimental kernels over persistent buffers):
+`jax_overlap.decode_collectives`.
 """
 
 from jax_overlap.all_gather_matmul import all_gather_matmul
