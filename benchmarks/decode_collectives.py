@@ -52,7 +52,7 @@ from jax_overlap import decode_collectives
 from pallas_kernels import lamport
 from pallas_kernels import matmul_all_reduce as fused_kernel
 
-_OPS = flags.DEFINE_list("collectives", ["all_reduce", "all_gather"],
+_OPS = flags.DEFINE_list("collectives", ["all_reduce", "all_gather", "matmul_all_reduce"],
                          "all_reduce, all_gather, matmul_all_reduce.")
 _MATMUL_SHAPES = flags.DEFINE_list("matmul_shapes", ["32x2048x8192", "32x7168x8192"],
                                    "matmul_all_reduce's rows x K x N per device.")
