@@ -115,17 +115,15 @@ def _error(op: str, out, x) -> float:
   return float(max(np.abs(g - want).max() for g in got) / np.abs(want).max())
 
 
-def _case(op, name, config, rows, cols, mesh, d) -> dict:
-  x = spmd.random_normal(jax.random.key(rows * cols), (d, rows, cols), jnp.bfloat16, mesh, P(AXIS))
-  got, _ = _program(op, config, mesh, d, 0)(x, _state(config, rows, cols, mesh))
-  error = _error(op, got, x)
-
-  chain = _CHAIN.value
-  fn = _program(op, config, mesh, d, chain)
-  box = [x, _state(config, rows, cols, mesh)]
+def _timed_chain(program, x, state):
+  """`program` (x, state) -> (x, state), each output fed to the next call,
+  after 2 warm-up calls: (dispatch µs per collective call over
+  --traced_calls program calls, each GPU's launches in as many traced
+  ones)."""
+  box = [x, state]
 
   def run():
-    box[0], box[1] = fn(box[0], box[1])
+    box[0], box[1] = program(box[0], box[1])
     jax.block_until_ready(box[0])
 
   for _ in range(2):
@@ -133,11 +131,21 @@ def _case(op, name, config, rows, cols, mesh, d) -> dict:
   start = time.perf_counter()
   for _ in range(_CALLS.value):
     run()
-  dispatch_us = (time.perf_counter() - start) / _CALLS.value / chain * 1e6
+  dispatch_us = (time.perf_counter() - start) / _CALLS.value / _CHAIN.value * 1e6
+  return dispatch_us, timeline.device_launches(timeline.trace(run, _CALLS.value))
+
+
+def _case(op, name, config, rows, cols, mesh, d) -> dict:
+  x = spmd.random_normal(jax.random.key(rows * cols), (d, rows, cols), jnp.bfloat16, mesh, P(AXIS))
+  got, _ = _program(op, config, mesh, d, 0)(x, _state(config, rows, cols, mesh))
+  error = _error(op, got, x)
+
+  chain = _CHAIN.value
+  dispatch_us, launches = _timed_chain(_program(op, config, mesh, d, chain), x,
+                                       _state(config, rows, cols, mesh))
   record = {"op": op, "case": name, "rows": rows, "cols": cols, "d": d, "error": error,
             "blocks": None if config is None else config.blocks,
             "dispatch_us_per_call": dispatch_us, "devices": {}}
-  launches = timeline.device_launches(timeline.trace(run, _CALLS.value))
   fragment = "nccl" if config is None else "lamport"  # the chain's only such kernels
   for gpu, events in launches.items():
     ours = [e.duration_ns / 1e3 for e in events if fragment in e.name.lower()]
@@ -204,22 +212,11 @@ def _matmul_case(case, rows, k, n, mesh, d) -> dict:
   error = float(max(np.abs(g - want).max() for g in mine) / np.abs(want).max())
 
   chain = _CHAIN.value
-  fn = _matmul_program(case, mesh, k, chain)
-  box = [x, state()]
-
-  def run():
-    box[0], box[1] = fn(box[0], w, box[1])
-    jax.block_until_ready(box[0])
-
-  for _ in range(2):
-    run()
-  start = time.perf_counter()
-  for _ in range(_CALLS.value):
-    run()
+  program = _matmul_program(case, mesh, k, chain)
+  dispatch_us, launches = _timed_chain(lambda x, state: program(x, w, state), x, state())
   record = {"op": "matmul_all_reduce", "case": case, "rows": rows, "k": k, "cols": n, "d": d,
-            "error": error, "dispatch_us_per_call":
-                (time.perf_counter() - start) / _CALLS.value / chain * 1e6, "devices": {}}
-  for gpu, events in timeline.device_launches(timeline.trace(run, _CALLS.value)).items():
+            "error": error, "dispatch_us_per_call": dispatch_us, "devices": {}}
+  for gpu, events in launches.items():
     per_call = _CALLS.value * chain
     span = max(e.start_ns + e.duration_ns for e in events) - events[0].start_ns
     record["devices"][gpu] = {"busy_us_per_call": sum(e.duration_ns for e in events) / 1e3 / per_call,
