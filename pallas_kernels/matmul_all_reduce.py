@@ -10,10 +10,13 @@ memory): it stores its bf16 part (-0.0 made +0.0) into this device's slot of
 every device's receive buffer, refills the buffer of call t + 2, then awaits
 the same part from every device and sums it in float32 in device order (the
 same bits on every device). A block's columns need only the same block on the
-peers, so no block waits for another on its own device, and the stores of
-blocks that finish early fly while later blocks still stream w: no separate
+peers, so no block waits for another on its own device: no separate
 all-reduce launch, no handshake, no fence (benchmarks/NOTES.md, "Where the
-Lamport kernel's 8 µs go, and the fused o / down design").
+Lamport kernel's 8 µs go, and the fused o / down design"). With one tile per
+block, all blocks run their K loops side by side and finish together, so the
+exchange is not hidden under the matmul: it lands in the kernel's tail
+(4 H100s, D = 4: 2.3-3.5 µs less than XLA's matmul + the `lamport` all-reduce
+per call, ~10 µs more than the matmul alone; model v13 in NOTES.md).
 
 The state is the Lamport state (`lamport.LamportState`) of the [rows, N]
 output with one exchange block per compute warpgroup (`state_shapes`), with
@@ -79,7 +82,9 @@ def _slab_bytes(tiles: gemm_core.GemmTiles) -> int:
 def default_config(rows: int, k: int, n: int, *, wg_split: str = "n") -> MatmulAllReduceConfig:
   """CTA_N columns per block (wg_split "n": 64 rows, 128 past 64; "m": 64
   columns, two stacked warpgroups of 64 rows), the deepest ring that fits
-  shared memory (up to MAX_STAGES and the K steps)."""
+  shared memory (up to MAX_STAGES and the K steps). Side by side is the
+  default: stacked took 27.2 against 22.7 µs at 32 x 2048 x 8192 and 67.2
+  against 54.9 at 32 x 7168 x 8192 (4 H100s, D = 4, session 44)."""
   if wg_split == "m":
     tiles = gemm_core.GemmTiles(tile_m=64, tile_n=CTA_N // 2, wg_split="m", stages=2,
                                 epi_tile_m=64, epi_tile_n=64, epi_slots=1)
