@@ -171,8 +171,9 @@ def _matmul_support(p: Problem) -> str | None:
 
 def _matmul_experimental(p: Problem) -> str | None:
   del p
-  return ("experimental: the matmul with the Lamport all-reduce in its epilogue has not been"
-          " measured against XLA's matmul + psum yet; impl='pallas' runs it.")
+  return ("experimental: in the 70B-like decode step level with XLA's matmul + the all-reduce"
+          " kernel (1.13-1.18x over BSP by dispatch, 4 H100s, session 44) and not measured faster"
+          " by CUPTI; impl='pallas' runs it.")
 
 
 _MATMUL_ALL_REDUCE = dispatch.Op("matmul_all_reduce", {

@@ -417,7 +417,7 @@ class _Ops:
     return matmul_reduce_scatter(x, w, axis_name=self.axis_name, impl=self.impl)
 
 
-class LayerWeight(NamedTuple):
+class _LayerWeight(NamedTuple):
   """One layer's weight left in its stack, [L, ...][index] (read in place by
   the kernels that take a stacked weight)."""
   stack: jax.Array
@@ -432,13 +432,13 @@ class _ReplicatedOps(_Ops):
   over the axis in x's dtype (as the BSP reduce-scatter's partials are),
   through `matmul_sum`. A layer then exchanges three times (the heads'
   gather, o's and down's sums) instead of five."""
-  matmul_sum: Callable[[jax.Array, LayerWeight], jax.Array] | None = None
+  matmul_sum: Callable[[jax.Array, _LayerWeight], jax.Array] | None = None
 
   def column(self, x, w):
     """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange."""
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
-  def row(self, x, w: LayerWeight):
+  def row(self, x, w: _LayerWeight):
     """x [N, K / D] @ w [K / D, C], summed over the axis -> [N, C]."""
     return self.matmul_sum(x, w)
 
@@ -451,7 +451,7 @@ class _Exchanges:
   def __init__(self, states: "DecodeExchanges", axis_name: str, impl: str):
     self.states, self._axis_name, self._impl = states, axis_name, impl
 
-  def matmul_sum(self, x, w: LayerWeight):
+  def matmul_sum(self, x, w: _LayerWeight):
     """x [N, K] @ w [K, C] summed over the axis -> [N, C]."""
     x, summed = decode_collectives.matmul_all_reduce(
         x, w.stack, self.states.summed, axis_name=self._axis_name, impl=self._impl,
@@ -488,8 +488,8 @@ def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "
                             axis_name=None) -> DecodeExchanges:
   """Each exchange site's `dispatch.Choice` in a decode step of `batch`
   sequences over replicated activations, the cache holding the kernel's
-  state (`exchange_state`); the sums' is down's, or o's where o's is not
-  the kernel."""
+  state (`exchange_state`). o and down share the sums' state: their choice
+  is the first of down's and o's that is not the kernel, else down's."""
   c, impl = config, exchange_impl_for(impl)
   s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
   summed, gathered = _exchange_shapes(c, batch, axis_size)
@@ -869,7 +869,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     for i in range(layers):
       p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
       if replicated:  # the row-parallel weights stay in their stacks (`matmul_all_reduce`)
-        p.update({name: LayerWeight(params["layers"][name], i) for name in ("w_o", "w_down")})
+        p.update({name: _LayerWeight(params["layers"][name], i) for name in ("w_o", "w_down")})
       x, k_i, v_i = layer(x, p, k_cache[i], v_cache[i])
       k_out.append(k_i)
       v_out.append(v_i)
