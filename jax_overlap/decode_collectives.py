@@ -69,10 +69,14 @@ def fresh_state(rows: int, cols: int, *, axis_name: str, mesh=None) -> ExchangeS
   stacked over the axis's devices, sharded over it; the mesh is `mesh` or
   the one `jax.set_mesh` set), made in a program of its own and returned
   once every device holds it, as the kernel needs."""
+  return _fresh_global_state(rows, cols, axis_name, mesh, None)
+
+
+def _fresh_global_state(rows, cols, axis_name, mesh, config) -> ExchangeState:
   if mesh is None:  # no inputs to reshard: any mesh given will do
     mesh, _ = sharded.resolve_mesh(None, axis_name, ())
   _validate.check_mesh_axes("axis_name", (axis_name,), mesh)
-  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name)
+  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name, config=config)
 
 
 def state_shapes(rows: int, cols: int, axis_size: int) -> ExchangeState:
@@ -154,11 +158,7 @@ def matmul_state_shapes(rows: int, cols: int, axis_size: int) -> ExchangeState:
 def fresh_matmul_state(rows: int, cols: int, *, axis_name: str, mesh=None) -> ExchangeState:
   """`matmul_all_reduce`'s state for an output [rows, cols], global view,
   made and awaited as `fresh_state`'s."""
-  if mesh is None:
-    mesh, _ = sharded.resolve_mesh(None, axis_name, ())
-  _validate.check_mesh_axes("axis_name", (axis_name,), mesh)
-  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name,
-                                    config=_matmul_exchange(rows, cols))
+  return _fresh_global_state(rows, cols, axis_name, mesh, _matmul_exchange(rows, cols))
 
 
 def _matmul_support(p: Problem) -> str | None:

@@ -49,7 +49,7 @@ from pallas_kernels import vma
 
 KERNEL_NAME = "matmul_all_reduce"
 MAX_ROWS = 128
-CTA_N = 128  # columns per block side by side: two warpgroups of 64
+CTA_N = 128  # the default tiles' columns per block: two warpgroups of 64 side by side
 # The ring's depth: as deep as shared memory allows, up to this (a block
 # streams a [K_shard, cta_n] strip of w alone, so it keeps as many loads in
 # flight as it can).
@@ -70,8 +70,7 @@ def exchange_config(n: int, config: MatmulAllReduceConfig | None = None
                     ) -> lamport.LamportConfig:
   """The Lamport config of the kernel's state: one exchange block per
   compute warpgroup, two per column tile (config None: the default tiles')."""
-  config = config or default_config(1, lamport.CHUNK * 8, n)  # its columns per block
-  return lamport.LamportConfig(blocks=2 * (n // config.tiles.cta_n))
+  return lamport.LamportConfig(blocks=2 * (n // (config.tiles.cta_n if config else CTA_N)))
 
 
 def _slab_bytes(tiles: gemm_core.GemmTiles) -> int:
