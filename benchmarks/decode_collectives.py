@@ -7,10 +7,11 @@
         [--matmul_shapes=32x2048x8192,32x7168x8192] [--out_dir=...]
 
 matmul_all_reduce (rows x K x N per device; the 70B-like decode step's o and
-down at D = 4 by default) runs five cases: "xla" (XLA's matmul, then psum),
+down at D = 4 by default) runs six cases: "xla" (XLA's matmul, then psum),
 "unfused" (XLA's matmul, then the Lamport all-reduce kernel), "fused_n" and
 "fused_m" (the kernel with the all-reduce in its epilogue, its warpgroups
-side by side or stacked) and "gemm" (XLA's matmul alone,
+side by side or stacked), "fused_n_fill" ("fused_n" with x's rows past its
+end zero-filled by TMA instead of padded: `pad_rows=False`) and "gemm" (XLA's matmul alone,
 no exchange: the floor the exchange is hidden under). For it, "busy" is
 each device's kernel time per call in the chain (the matmul, the exchange
 and the chain's slice-and-scale), and its error is over the float64 sum of
@@ -155,13 +156,14 @@ def _case(op, name, config, rows, cols, mesh, d) -> dict:
   return record
 
 
-MATMUL_CASES = ("xla", "unfused", "fused_n", "fused_m", "gemm")
+MATMUL_CASES = ("xla", "unfused", "fused_n", "fused_n_fill", "fused_m", "gemm")
 
 
 def _fused_config(case: str, rows: int, k: int, w) -> fused_kernel.MatmulAllReduceConfig:
   """The kernel's default tiles with the warpgroups side by side
-  ("fused_n") or stacked ("fused_m")."""
-  return fused_kernel.default_config(rows, k, w.shape[-1], wg_split=case[-1])
+  ("fused_n", "fused_n_fill": without pad_rows) or stacked ("fused_m")."""
+  _, split, *fill = case.split("_")
+  return fused_kernel.default_config(rows, k, w.shape[-1], wg_split=split, pad_rows=not fill)
 
 
 def _matmul_program(case: str, mesh, k: int, chain: int):

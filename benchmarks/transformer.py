@@ -3,7 +3,8 @@ same model on the best BSP paths, per step, at several axis sizes in one call.
 
     python -m benchmarks.transformer [--quick] [--models=70b,8b] [--steps=train,prefill,decode]
         [--axis_sizes=4,2] [--model_layers=8] [--iterations=0] [--time_budget_s=540]
-        [--decode_bsp_impl=pallas_bsp] [--out_dir=benchmarks/results] [--fresh] [--one_process]
+        [--decode_bsp_impl=pallas_bsp] [--decode_shapes=8x8192,32x32768] [--out_dir=benchmarks/results]
+        [--fresh] [--one_process]
 
 Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
   fused  impl="auto" for every collective op and flash_decode: our Pallas
@@ -118,6 +119,9 @@ _POWER_SECONDS = flags.DEFINE_float(
     " the GPUs in use: power per GPU, SM clock, the share of samples at the power cap, and energy"
     " per step per GPU (the record's `power`; benchmarks/power.py). At the 700 W cap a step's"
     " time is about its energy over the cap (NOTES, session 38). 0: not sampled.")
+_DECODE_SHAPES = flags.DEFINE_list(
+    "decode_shapes", [], "Decode shapes as BATCHxCACHE (e.g. 8x8192,128x32768) in place of"
+    " the default set (--quick's or the full one's).")
 _MEMORY_FRACTION = flags.DEFINE_float(
     "memory_fraction", 0.92, "Skip a case whose compiled step needs more than this share of"
     " device 0's free memory.")
@@ -709,11 +713,21 @@ def _chart(records: list[dict], path: pathlib.Path, device: str) -> str:
   return f"chart: {path}"
 
 
+def _batch_by_cache(value: str) -> tuple[int, int]:
+  """"32x32768" -> (32, 32768)."""
+  batch, sep, cache = value.partition("x")
+  if not (sep and batch.isdigit() and cache.isdigit()):
+    raise app.UsageError(f"--decode_shapes: expected BATCHxCACHE, got {value!r}.")
+  return int(batch), int(cache)
+
+
 def _plan(on_gpu: bool) -> tuple[list[str], dict, list[int], int, int]:
   models = _MODELS.value or (["70b"] if on_gpu and _QUICK.value else
                              ["70b", "8b"] if on_gpu else ["tiny"])
   shapes = (GPU_QUICK if _QUICK.value else GPU_SHAPES) if on_gpu else (
       CPU_QUICK if _QUICK.value else CPU_SHAPES)
+  if _DECODE_SHAPES.value:
+    shapes = {**shapes, "decode": tuple(_batch_by_cache(v) for v in _DECODE_SHAPES.value)}
   unknown = [s for s in _STEPS.value if s not in shapes] + [
       m for m in models if m not in transformer.MODELS]
   if unknown:

@@ -232,17 +232,21 @@ def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers):
                        calls[0])
   assert sorted(aliases) == [("1", "2"), ("2", "3"), ("3", "4")], aliases
   weight = f"tensor<{layers}x{k}x{n}xbf16>" if layers else f"tensor<{k}x{n}xbf16>"
-  assert f"(tensor<{rows}x{k}xbf16>, {weight}" in calls[0], calls[0][:400]
+  # x reaches the kernel padded with zero rows to the tile's (config.pad_rows).
+  assert f"(tensor<{config.tiles.cta_m}x{k}xbf16>, {weight}" in calls[0], calls[0][:400]
   assert f"-> (tensor<{rows}x{n}xbf16>" in calls[0]
 
 
 def test_matmul_kernel_support_names_what_does_not_fit():
-  reason = lambda rows, k=2048, n=8192, dtype=jnp.bfloat16, d=4, split="n": (
+  reason = lambda rows, k=2048, n=8192, dtype=jnp.bfloat16, d=4, split="n", pad=True: (
       matmul_all_reduce.unsupported_reason(
-          rows, k, n, dtype, matmul_all_reduce.default_config(rows, k, n, wg_split=split),
+          rows, k, n, dtype,
+          matmul_all_reduce.default_config(rows, k, n, wg_split=split, pad_rows=pad),
           axis_size=d))
   assert reason(32) is None and reason(3) is None and reason(128, split="m") is None
-  assert "at most 8 or a multiple of 8, got 100" in reason(100)
+  assert reason(100) is None and reason(3, pad=False) is None and reason(32, pad=False) is None
+  assert "without pad_rows, rows must be at most 8 or a multiple of 8, got 100" in reason(
+      100, pad=False)
   assert "every row in one tile: 200 rows" in reason(200)
   assert "bfloat16 products, got float16" in reason(32, dtype=jnp.float16)
   assert "1 device" in reason(32, d=1)

@@ -47,7 +47,7 @@ def test_the_kernel_chain_lowers_for_cuda(op):
   assert f"lamport_{op}" in module
 
 
-@pytest.mark.parametrize("case", ["fused_n", "fused_m"])
+@pytest.mark.parametrize("case", ["fused_n", "fused_n_fill", "fused_m"])
 def test_the_fused_matmul_chains_lower_for_cuda(case):
   """matmul_all_reduce's kernel cases: `chain` launches of the kernel with
   the case's tiles, the state of those tiles."""
@@ -57,7 +57,7 @@ def test_the_fused_matmul_chains_lower_for_cuda(case):
   fn = bench._matmul_program(case, mesh, k, chain)
   w = jax.ShapeDtypeStruct((d, k, n), jnp.bfloat16, sharding=sharding)
   config = bench._fused_config(case, rows, k, w)
-  assert config.tiles.wg_split == case[-1]
+  assert (config.tiles.wg_split, config.pad_rows) == (case.split("_")[1], "fill" not in case)
   state = lamport.LamportState(*(
       jax.ShapeDtypeStruct((d, *s.shape), s.dtype, sharding=sharding)
       for s in lamport.state_shapes(rows, n, d, fused_kernel.exchange_config(n, config))))

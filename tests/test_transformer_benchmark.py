@@ -182,3 +182,13 @@ def test_power_samples_the_meshs_gpus(monkeypatch, env, want):
   else:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
   assert bench._nvml_indices(2) == want  # pylint: disable=protected-access
+
+
+def test_decode_shapes_replace_the_default_set():
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--steps=decode",
+                                          "--decode_shapes=8x1024,2x512"]):
+    _, shapes, *_ = bench._plan(on_gpu=False)
+  assert shapes == {"decode": ((8, 1024), (2, 512))}
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--decode_shapes=8k"]):
+    with pytest.raises(app.UsageError, match="BATCHxCACHE, got '8k'"):
+      bench._plan(on_gpu=False)
