@@ -100,7 +100,8 @@ _VARIANTS = flags.DEFINE_list(
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
     " fused_replicated_pallas (replicated, impl='pallas': the matmul + Lamport all-reduce and the"
-    " Lamport all-gather kernels; needs XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false),"
+    " Lamport all-gather kernels; its programs compiled with XLA's dynamic-slice fusion off, as"
+    " the kernels need, the other variants' not),"
     " fused_replicated_pallas_unfused (the same with XLA's matmuls, then the Lamport all-reduce),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
@@ -189,8 +190,7 @@ def breakdown_ms(kernels, devices: int) -> dict[str, float]:
   return dict(sorted(totals.items(), key=lambda e: -e[1]))
 
 
-# XLA's compile options with its dynamic-slice fusion off (`platform.LOOP_FLAG`).
-_NO_SLICE_FUSION = (("xla_gpu_enable_dynamic_slice_fusion", False),)
+_NO_SLICE_FUSION = platform.NO_SLICE_FUSION_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,9 +212,15 @@ class Variant:
 
   @contextlib.contextmanager
   def tracing(self):
-    """The dispatch switches this variant's programs are traced under."""
+    """The dispatch switches this variant's programs are traced under; with
+    XLA's dynamic-slice fusion off in its compile options, the promise that
+    they are compiled so (`platform.compiled_without_slice_fusion`: the
+    Lamport kernels then run without LOOP_FLAG in XLA_FLAGS, which would
+    turn it off in every variant's programs)."""
+    no_fusion = dict(self.compiler_options).get(_NO_SLICE_FUSION[0][0]) is False
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
-        self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums):
+        self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
+            platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
       yield
 
 
@@ -236,9 +242,10 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),
       Variant("bsp_replicated", "xla_bsp", decode, decode_activations="replicated"),
-      Variant("fused_replicated_pallas", "pallas", None, decode_activations="replicated"),
+      Variant("fused_replicated_pallas", "pallas", None, decode_activations="replicated",
+              compiler_options=_NO_SLICE_FUSION),
       Variant("fused_replicated_pallas_unfused", "pallas", None, decode_activations="replicated",
-              unfused_sums=True),
+              unfused_sums=True, compiler_options=_NO_SLICE_FUSION),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))

@@ -93,7 +93,9 @@ def _pallas_support(p: Problem) -> str | None:
     return ("its state must stay in place from call to call, and XLA's dynamic-slice fusion"
             " copies a state carried through a lax.scan body before the kernel (4 H200s, session"
             " 43: the kernel trapped on a lost store); start the job with"
-            f" XLA_FLAGS={platform.LOOP_FLAG}.")
+            f" XLA_FLAGS={platform.LOOP_FLAG}, or compile the program with"
+            " compiler_options=dict(pallas_kernels.platform.NO_SLICE_FUSION_OPTIONS) and trace it"
+            " inside pallas_kernels.platform.compiled_without_slice_fusion().")
   if p.axis_size < 2:
     return f"the axis has {p.axis_size} device: nothing to exchange."
   if p.dtype != jnp.bfloat16:
@@ -109,8 +111,10 @@ def _pallas_support(p: Problem) -> str | None:
 
 def _experimental(p: Problem) -> str | None:
   del p
-  return ("experimental: the all-reduce measured 1.17-1.18x over BSP by dispatch in the 70B-like"
-          " decode step but not by CUPTI (4 H200s, session 43); impl='pallas' runs it.")
+  return ("experimental: it needs XLA's dynamic-slice fusion off in its program, which `auto`"
+          " cannot see to; impl='pallas' runs it. With it, the 70B-like decode step over"
+          " replicated activations measured 1.13-1.26x over BSP by dispatch at D = 4 and"
+          " 1.10-1.14x at D = 2 (4 H200s, session 45; benchmarks/NOTES.md, decode grid).")
 
 
 def _op(name: str) -> dispatch.Op:
@@ -171,9 +175,10 @@ def _matmul_support(p: Problem) -> str | None:
 
 def _matmul_experimental(p: Problem) -> str | None:
   del p
-  return ("experimental: in the 70B-like decode step level with XLA's matmul + the all-reduce"
-          " kernel (1.13-1.18x over BSP by dispatch, 4 H100s, session 44) and not measured faster"
-          " by CUPTI; impl='pallas' runs it.")
+  return ("experimental: it needs XLA's dynamic-slice fusion off in its program, which `auto`"
+          " cannot see to; impl='pallas' runs it. In the 70B-like decode step level with XLA's"
+          " matmul + the all-reduce kernel (4 H100s, session 44); alone, 44.4 against 45.5 µs"
+          " at the down projection and 21.9 against 20.3-22.6 at o (4 H200s, session 45).")
 
 
 _MATMUL_ALL_REDUCE = dispatch.Op("matmul_all_reduce", {
@@ -245,7 +250,9 @@ def all_reduce(x, state=None, *, axis_name, impl: str = "auto"):
     impl: "auto" tries, in order:
       "pallas": the Lamport-buffer kernel (Hopper, one process, D >= 2,
         bf16, rows * cols a multiple of 8, a state, XLA's dynamic-slice
-        fusion off: `pallas_kernels.platform.LOOP_FLAG` in XLA_FLAGS): one
+        fusion off: `pallas_kernels.platform.LOOP_FLAG` in XLA_FLAGS, or the
+        program compiled with `platform.NO_SLICE_FUSION_OPTIONS` and traced
+        inside `platform.compiled_without_slice_fusion()`): one
         store of x into every device's buffer, no handshake; experimental:
         "auto" does not take it yet;
       "xla": the `lax` collective.
@@ -302,8 +309,8 @@ def matmul_all_reduce(x, w, state=None, *, axis_name, impl: str = "auto",
       "pallas": one kernel (`pallas_kernels.matmul_all_reduce`): each block
         computes a column tile of x @ w over all of K and stores it straight
         into every device's Lamport buffer, then sums its columns from every
-        device (Hopper, one process, D >= 2, bf16, rows <= 128 and at most
-        8 or a multiple of 8, K a multiple of 64, N of 128, a state, XLA's
+        device (Hopper, one process, D >= 2, bf16, rows <= 128, K a
+        multiple of 64, N of 128, a state, XLA's
         dynamic-slice fusion off as for `all_reduce`); experimental: "auto"
         does not take it yet;
       "xla": `jnp.dot` in x's dtype, then `lax.psum`.

@@ -1,5 +1,7 @@
 """Where the Mosaic GPU kernels can run."""
 
+import contextlib
+import contextvars
 import ctypes
 import ctypes.util
 import dataclasses
@@ -140,9 +142,40 @@ LOOP_FLAG_NAME = "--xla_gpu_enable_dynamic_slice_fusion"
 LOOP_FLAG = f"{LOOP_FLAG_NAME}=false"
 
 
+# LOOP_FLAG as the compile options of one program:
+# `jax.jit(f).lower(*args).compile(compiler_options=dict(NO_SLICE_FUSION_OPTIONS))`.
+NO_SLICE_FUSION_OPTIONS = (("xla_gpu_enable_dynamic_slice_fusion", False),)
+_COMPILED_WITHOUT_SLICE_FUSION = contextvars.ContextVar("compiled_without_slice_fusion",
+                                                        default=False)
+
+
+@contextlib.contextmanager
+def compiled_without_slice_fusion():
+  """Inside the block (trace time), `dynamic_slice_fusion_off()` holds.
+
+  The caller's promise: what it traces here it compiles at once with
+  `NO_SLICE_FUSION_OPTIONS`, so that the kernels that need XLA's
+  dynamic-slice fusion off run in that program while the job's other
+  programs keep it (LOOP_FLAG in XLA_FLAGS turns it off in every program,
+  and then the sharded model's matmul kernels copy the weight slices they
+  are handed: benchmarks/NOTES.md, decode v12). Only for code that compiles
+  what it traces itself (as `benchmarks.transformer` does per variant): a
+  jitted function first traced here and called later inside another jit
+  would be compiled with that jit's options (jit reuses its trace).
+  """
+  token = _COMPILED_WITHOUT_SLICE_FUSION.set(True)
+  try:
+    yield
+  finally:
+    _COMPILED_WITHOUT_SLICE_FUSION.reset(token)
+
+
 def dynamic_slice_fusion_off(xla_flags: str | None = None) -> bool:
-  """Whether `xla_flags` (default: the environment's XLA_FLAGS) turn XLA's
-  dynamic-slice fusion off (`LOOP_FLAG`; the last setting wins)."""
+  """Whether `xla_flags` (default: the environment's XLA_FLAGS, or off inside
+  `compiled_without_slice_fusion`) turn XLA's dynamic-slice fusion off
+  (`LOOP_FLAG`; the last setting wins)."""
+  if xla_flags is None and _COMPILED_WITHOUT_SLICE_FUSION.get():
+    return True
   flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
   values = [f.split("=", 1)[1].lower() for f in flags.split()
             if f.startswith(LOOP_FLAG_NAME + "=")]

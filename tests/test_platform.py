@@ -71,6 +71,24 @@ def test_loops_across_processes_need_dynamic_slice_fusion_off(monkeypatch, flags
   assert platform.loop_fusion_reason() == reason
 
 
+def test_a_program_compiled_without_slice_fusion_counts_as_off(monkeypatch):
+  """Inside `compiled_without_slice_fusion` (a caller that compiles what it
+  traces with NO_SLICE_FUSION_OPTIONS) the fusion counts as off whatever
+  XLA_FLAGS says; flags read explicitly are read as they are; outside, the
+  environment decides again."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=true")
+  assert not platform.dynamic_slice_fusion_off()
+  with platform.compiled_without_slice_fusion():
+    assert platform.dynamic_slice_fusion_off()
+    assert not platform.dynamic_slice_fusion_off("")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert platform.loop_fusion_reason() is None
+  assert not platform.dynamic_slice_fusion_off()
+  assert platform.loop_fusion_reason() is not None
+  name, value = platform.NO_SLICE_FUSION_OPTIONS[0]
+  assert f"--{name}={str(value).lower()}" == platform.LOOP_FLAG  # the same setting
+
+
 def test_nccl_library_reads_what_loads(monkeypatch):
   """A candidate that does not load is passed over; one without NCCL's
   symbols (here the C library) reads as no version and no peer pointers."""

@@ -136,6 +136,23 @@ def test_variants_follow_the_flag_and_reject_unknown_names():
       bench.variants()
 
 
+def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatch):
+  """fused_replicated_pallas compiles its programs with XLA's dynamic-slice
+  fusion off and traces them under that promise (the Lamport kernels' check
+  passes without the flag in XLA_FLAGS); fused keeps the fusion."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,"
+                                          "fused_replicated_pallas,fused_replicated_pallas_unfused"]):
+    fused, *lamport = bench.variants()
+  with fused.tracing():
+    assert not platform.dynamic_slice_fusion_off()
+  for v in lamport:
+    assert dict(v.compiler_options) == dict(platform.NO_SLICE_FUSION_OPTIONS)
+    with v.tracing():
+      assert platform.dynamic_slice_fusion_off()
+  assert not platform.dynamic_slice_fusion_off()
+
+
 class _FakeNvml:
   """Two GPUs at 690 and 700 W, one of them at its power cap."""
 
