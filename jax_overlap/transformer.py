@@ -77,6 +77,7 @@ from jax_overlap.flash_decode import explain as explain_flash_decode
 from jax_overlap.flash_decode import flash_decode
 from jax_overlap.matmul_reduce_scatter import explain as explain_matmul_reduce_scatter
 from jax_overlap.matmul_reduce_scatter import matmul_reduce_scatter
+from pallas_kernels import platform
 from pallas_kernels import vma
 
 logger = logging.getLogger("jax_overlap")
@@ -910,7 +911,10 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
 
   With `donate`, train_step donates params and decode_step the cache (updated
   in place; with replicated activations and impl="pallas" the cache must
-  carry `exchange_state`'s buffers, which only donation keeps in place);
+  carry `exchange_state`'s buffers, which only donation keeps in place, and
+  decode_step compiles its program with XLA's dynamic-slice fusion off, as
+  those kernels need, without XLA_FLAGS: call it outside jit,
+  `pallas_kernels.platform.jit_without_slice_fusion`);
   prefill needs `cache_len`; `decode_activations` is decode_step's
   `activations`.
   """
@@ -920,7 +924,11 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
                                     attention=attention, **common),
                   donate_argnums=(0,) if donate else ())
   pre = jax.jit(functools.partial(prefill, cache_len=cache_len, attention=attention, **common))
-  dec = jax.jit(functools.partial(decode_step, decode_impl=decode_impl,
-                                  activations=decode_activations, **common),
-                donate_argnums=(2,) if donate else ())
+  dec_fn = functools.partial(decode_step, decode_impl=decode_impl,
+                             activations=decode_activations, **common)
+  # The Lamport kernels need XLA's dynamic-slice fusion off: in the decode
+  # step's program only, so that the other steps keep it.
+  lamport = decode_activations == "replicated" and exchange_impl_for(impl) == "pallas"
+  dec = (platform.jit_without_slice_fusion if lamport else jax.jit)(
+      dec_fn, donate_argnums=(2,) if donate else ())
   return Jitted(train, pre, dec)

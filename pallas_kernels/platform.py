@@ -170,6 +170,32 @@ def compiled_without_slice_fusion():
     _COMPILED_WITHOUT_SLICE_FUSION.reset(token)
 
 
+def jit_without_slice_fusion(fn, **jit_kwargs):
+  """`jax.jit(fn, **jit_kwargs)` with XLA's dynamic-slice fusion off in its
+  program (`NO_SLICE_FUSION_OPTIONS`), traced inside
+  `compiled_without_slice_fusion()`: the kernels that need the fusion off
+  (`jax_overlap.decode_collectives`' Lamport kernels) run in it while the
+  job's other programs keep it. Call it outside jit: inside another jit
+  its program would be compiled with that jit's options, so an argument that
+  is a tracer raises."""
+  jitted = jax.jit(fn, compiler_options=dict(NO_SLICE_FUSION_OPTIONS), **jit_kwargs)
+  name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__",
+                                                  "this function")  # a partial's function
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((args, kwargs))):
+      raise ValueError(
+          f"{name} compiles its own program with XLA's"
+          " dynamic-slice fusion off, which a call inside jit (or another transformation) would"
+          " drop: call it outside jit, or start the job with"
+          f" XLA_FLAGS={LOOP_FLAG} and jit the function yourself.")
+    with compiled_without_slice_fusion():
+      return jitted(*args, **kwargs)
+
+  return call
+
+
 def dynamic_slice_fusion_off(xla_flags: str | None = None) -> bool:
   """Whether `xla_flags` (default: the environment's XLA_FLAGS, or off inside
   `compiled_without_slice_fusion`) turn XLA's dynamic-slice fusion off

@@ -4,8 +4,10 @@
 import ctypes.util
 
 import jax
+import numpy as np
 import pytest
 
+import testkit
 from pallas_kernels import platform
 
 
@@ -87,6 +89,26 @@ def test_a_program_compiled_without_slice_fusion_counts_as_off(monkeypatch):
   assert platform.loop_fusion_reason() is not None
   name, value = platform.NO_SLICE_FUSION_OPTIONS[0]
   assert f"--{name}={str(value).lower()}" == platform.LOOP_FLAG  # the same setting
+
+
+def test_jit_without_slice_fusion_traces_under_the_promise_and_refuses_tracers(monkeypatch):
+  """The function runs as jitted, traced with the fusion counted off (its
+  program compiled so, whatever XLA_FLAGS says); inside another jit, where
+  that compile option would be dropped, it raises and names the fix."""
+  testkit.without_loop_flag(monkeypatch)
+  seen = []
+
+  def double(x):
+    seen.append(platform.dynamic_slice_fusion_off())
+    return x * 2
+
+  f = platform.jit_without_slice_fusion(double)
+  x = np.arange(6, dtype=np.float32)
+  np.testing.assert_array_equal(f(x), x * 2)
+  np.testing.assert_array_equal(f(x + 1), (x + 1) * 2)
+  assert seen == [True] and not platform.dynamic_slice_fusion_off()  # traced once
+  with pytest.raises(ValueError, match="double compiles its own program.*call it outside jit"):
+    jax.jit(f)(x)
 
 
 def test_nccl_library_reads_what_loads(monkeypatch):

@@ -221,6 +221,23 @@ def test_train_step_is_an_sgd_step():
     _close(a, functools.reduce(lambda t, k: t[k.key], path, want), jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("impl, activations, own_program", [
+    ("pallas", "replicated", True), ("auto", "replicated", False), ("pallas", "sharded", False)])
+def test_only_the_lamport_decode_step_compiles_its_own_program(impl, activations, own_program):
+  """With replicated activations and impl="pallas" (the Lamport kernels),
+  `jitted`'s decode step is compiled with XLA's dynamic-slice fusion off in
+  its own program, so a call inside jit, which would drop that, raises; the
+  other decode steps are plain jitted functions."""
+  mesh, params, _, _ = _setup(2)
+  steps = transformer.jitted(CONFIG, axis_name=AXIS, mesh=mesh, impl=impl,
+                             decode_activations=activations)
+  assert hasattr(steps.decode_step, "lower") != own_program
+  if own_program:
+    cache = transformer.empty_cache(CONFIG, 1, 4, 16)
+    with pytest.raises(ValueError, match="decode_step compiles its own program"):
+      jax.jit(steps.decode_step)(params, np.zeros(4, np.int32), cache)
+
+
 def _equations(jaxpr):
   """Every equation in `jaxpr` and the jaxprs nested in its equations, in order."""
   for eqn in jaxpr.eqns:

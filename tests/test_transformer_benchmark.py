@@ -140,7 +140,7 @@ def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatc
   """fused_replicated_pallas compiles its programs with XLA's dynamic-slice
   fusion off and traces them under that promise (the Lamport kernels' check
   passes without the flag in XLA_FLAGS); fused keeps the fusion."""
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  testkit.without_loop_flag(monkeypatch)
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,"
                                           "fused_replicated_pallas,fused_replicated_pallas_unfused"]):
     fused, *lamport = bench.variants()

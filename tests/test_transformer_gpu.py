@@ -87,9 +87,9 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
   512-position cache, then three decode steps (the cache donated), the
   `auto` model's prefill and its decode with `decode_impl` over the decode
   activations given ("pallas" over replicated ones: the Lamport exchange
-  kernels, their states in the cache), the XLA model's sharded."""
-  if decode_impl == "pallas" and not platform.dynamic_slice_fusion_off():
-    pytest.skip(f"the exchange kernels need XLA_FLAGS={platform.LOOP_FLAG}")
+  kernels, their states in the cache, the step's program compiled with XLA's
+  dynamic-slice fusion off as `transformer.jitted` does), the XLA model's
+  sharded."""
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
   cache_len, steps = 512, 3
@@ -103,10 +103,11 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
       logits, cache = jax.jit(functools.partial(
           transformer.prefill, cache_len=cache_len, attention=attention, **common))(
               params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
-      step = jax.jit(functools.partial(
+      lamport = impl == "auto" and decode_impl == "pallas"
+      step = (platform.jit_without_slice_fusion if lamport else jax.jit)(functools.partial(
           transformer.decode_step, **{**common, "impl": decode_impl if impl == "auto" else impl},
           activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
-      if impl == "auto" and decode_impl == "pallas":
+      if lamport:
         cache = cache._replace(exchange=transformer.exchange_state(CONFIG, 8, axis_name=AXIS))
       seen = [logits]
       for t in range(steps):

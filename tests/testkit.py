@@ -5,6 +5,7 @@ Imported after conftest.py has set XLA_FLAGS (pytest loads conftest first).
 
 import contextlib
 import math
+import os
 import zlib
 
 import jax
@@ -15,6 +16,8 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 
 import reference
+from pallas_kernels import platform
+
 
 @contextlib.contextmanager
 def parsed_flags(flag_values, argv: list[str]):
@@ -31,6 +34,14 @@ AXIS = "x"
 AXIS_SIZES = (1, 2, 4, 8)
 AXIS_TYPES = (AxisType.Explicit, AxisType.Auto)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def without_loop_flag(monkeypatch) -> None:
+  """XLA_FLAGS without `platform.LOOP_FLAG`'s setting (the rest kept: the
+  CPU device count that conftest sets must reach a backend started later)."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  monkeypatch.setenv("XLA_FLAGS", " ".join(
+      f for f in flags if not f.startswith(platform.LOOP_FLAG_NAME + "=")))
 
 
 def axis_type_id(axis_type: AxisType) -> str:
