@@ -6,7 +6,9 @@
 A variant is a module with the kernel module's interface (`default_config`,
 `unsupported_reason`, `flash_decode`: this repo's kernel, or a copy of it
 being changed, kept outside the repo's packages), optionally followed by
-config overrides, and `num_sms=N` for a smaller grid. Each variant runs
+config overrides, `num_sms=N` for a smaller grid, and `lens=1` to pass
+kv_lens (every sequence full, as the model's decode step passes them: the
+kernel's masking runs, the output is the same). Each variant runs
 inside shard_map over all local devices (D), at the shapes --shapes names
 (as in `benchmarks.flash_decode`; default: its GPU set), on its inputs
 (`benchmarks.flash_decode.setup`, no kv_lens); for each shape it prints the
@@ -23,6 +25,7 @@ import math
 
 from absl import app
 from absl import flags
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import flash_decode as fd_bench
@@ -39,15 +42,17 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """A kernel module, config field overrides, and the grid's SM count (None:
-  the GPU's)."""
+  """A kernel module, config field overrides, the grid's SM count (None:
+  the GPU's), and whether kv_lens are passed (all full)."""
   module: str
   overrides: tuple[tuple[str, int], ...] = ()
   num_sms: int | None = None
+  lens: bool = False
 
 
 def parse_variant(spec: str) -> Variant:
-  """"pkg.mod/splits=2/num_sms=128" -> Variant("pkg.mod", (("splits", 2),), 128)."""
+  """"pkg.mod/splits=2/num_sms=128/lens=1" -> Variant("pkg.mod", (("splits", 2),), 128,
+  True)."""
   module, *fields = spec.split("/")
   overrides = {}
   for field in fields:
@@ -56,7 +61,8 @@ def parse_variant(spec: str) -> Variant:
       raise ValueError(f"variant {spec!r}: expected field=integer, got {field!r}.")
     overrides[name] = int(value)
   num_sms = overrides.pop("num_sms", None)
-  return Variant(module, tuple(overrides.items()), num_sms)
+  lens = bool(overrides.pop("lens", 0))
+  return Variant(module, tuple(overrides.items()), num_sms, lens)
 
 
 def _call(variant: Variant, mesh, shape: shapes.FlashDecodeShape):
@@ -72,7 +78,8 @@ def _call(variant: Variant, mesh, shape: shapes.FlashDecodeShape):
                                config)
   if why:
     return why
-  body = lambda q, k, v: mod.flash_decode(q, k, v, None, axis_name=fd_bench.AXIS,
+  lens = lambda: jnp.full((shape.b,), shape.s_total, jnp.int32) if variant.lens else None
+  body = lambda q, k, v: mod.flash_decode(q, k, v, lens(), axis_name=fd_bench.AXIS,
                                           scale=1 / math.sqrt(shape.dh), config=config,
                                           num_sms=num_sms)
   return spmd.per_shard(body, mesh, (fd_bench.Q_SPEC, fd_bench.KV_SPEC, fd_bench.KV_SPEC),

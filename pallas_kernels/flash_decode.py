@@ -134,6 +134,13 @@ class FlashDecodeConfig:
       v21, the default since session 35: on 4 H200s `publish` 12-14 -> 6-7
       kcyc, 7-9% faster per call at D = 4, level at D = 2 (within 1%),
       its GPU tests passing at D = 2 and 4 (benchmarks/NOTES.md).
+    last_step_mask: with kv_lens, mask the scores past the length in an
+      item's last K/V step only (a branch), not in every step: the others
+      lie wholly inside the length. In the model's decode step the kernel
+      took ~25 µs per layer over its local phase timed without kv_lens (4
+      H200s, session 45); the mask's iota, compare and select on every
+      step's scores are one suspect. Experimental: interpreter- and
+      lowering-tested, not yet run on GPUs.
   """
   block_kv: int = 128
   splits: int = 1
@@ -142,6 +149,7 @@ class FlashDecodeConfig:
   merge_all: bool = False
   narrow_partials: bool = True
   one_fence: bool = True
+  last_step_mask: bool = False
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
@@ -243,6 +251,9 @@ _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet run on GPUs there), or None."""
+  if config.last_step_mask:
+    return ("config.last_step_mask is interpreter- and lowering-tested, not yet run on GPUs"
+            " (benchmarks/NOTES.md, session 45).")
   if config.merge_all and axis_size not in _MERGE_ALL_GPU_TESTED_AXIS_SIZES:
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
@@ -420,9 +431,12 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         acc, m, l = carry
         scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
         if kv_lens is not None:
-          pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
-              jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
-          scores = jnp.where(pos < length, scores, -jnp.inf)
+          def mask(scores):
+            pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
+                jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+            return jnp.where(pos < length, scores, -jnp.inf)
+          scores = (lax.cond(idxs[0] == steps - 1, mask, lambda s: s, scores)
+                    if config.last_step_mask else mask(scores))
         m_new = jnp.maximum(m, scores.max(axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no NaN
         alpha = jnp.exp(m - shift)

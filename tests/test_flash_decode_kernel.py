@@ -81,6 +81,12 @@ CASES = [
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, narrow_partials=False)),
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
      fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
+    # The mask in each item's last step only (last_step_mask): lengths ending
+    # mid-block, at a block edge, zero, and past device 0's slice.
+    (5, 16, 4, 64, 128, 2, (256, 1, 130, 0, 200), BF16,
+     fd.FlashDecodeConfig(64, 1, 2, 32, last_step_mask=True)),
+    (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64,
+                                                                  last_step_mask=True)),
 ]
 
 
@@ -113,7 +119,8 @@ def _own_slots(recv, index, splits):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
                          f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
-                         f"{'' if c[8].narrow_partials else '_f32_partials'}")
+                         f"{'' if c[8].narrow_partials else '_f32_partials'}"
+                         f"{'_last_step_mask' if c[8].last_step_mask else ''}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
@@ -217,6 +224,14 @@ def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
 
 
 @pytest.mark.parametrize("d", [2, 4])
+def test_last_step_mask_lowers_for_cuda(d):
+  """The branch around the last step's mask lowers for CUDA (the model's
+  decode shape per device at D = 4: b32, 64 / 8 heads, 8192 positions)."""
+  module = _cuda_module(d, BF16, 128, 64, 32, 8192 * d, last_step_mask=True)
+  assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module
+
+
+@pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize("shape", shapes.FLASH_DECODE, ids=str)
 def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape, d):
   s_shard = shape.s_total // d
@@ -310,3 +325,6 @@ def test_experimental_configs_are_named(d):
   assert config.one_fence
   assert fd.experimental_reason(dataclasses.replace(config, one_fence=False),
                                 axis_size=d) is None
+  assert not config.last_step_mask
+  assert "last_step_mask" in fd.experimental_reason(
+      dataclasses.replace(config, last_step_mask=True), axis_size=d)
