@@ -69,6 +69,7 @@ from benchmarks import spmd
 from benchmarks import timeline
 from jax_overlap import decode_bsp
 from jax_overlap import decode_collectives
+from jax_overlap import decode_matmul
 from jax_overlap import dispatch
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
@@ -103,6 +104,8 @@ _VARIANTS = flags.DEFINE_list(
     " Lamport all-gather kernels; its programs compiled with XLA's dynamic-slice fusion off, as"
     " the kernels need, the other variants' not),"
     " fused_replicated_pallas_unfused (the same with XLA's matmuls, then the Lamport all-reduce),"
+    " fused_replicated_pallas_xla_columns (fused_replicated_pallas with XLA's column-parallel"
+    " matmuls instead of `decode_matmul`'s kernel),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
     " the table compares fused and"
@@ -200,7 +203,9 @@ class Variant:
   whether `auto` takes the kernels wherever they run
   (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
   whether its matmul sums run unfused (`decode_collectives.
-  unfused_matmul_sums`), and XLA compile options ((name, value) pairs)."""
+  unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
+  (`decode_matmul.xla_only`), and XLA compile options ((name, value)
+  pairs)."""
   name: str
   impl: str
   decode_impl: str | None
@@ -208,6 +213,7 @@ class Variant:
   kernels: bool = False
   decode_activations: str = "sharded"
   unfused_sums: bool = False
+  xla_columns: bool = False
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
@@ -220,6 +226,7 @@ class Variant:
     no_fusion = dict(self.compiler_options).get(_NO_SLICE_FUSION[0][0]) is False
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
         self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
+            decode_matmul.xla_only(self.xla_columns)), (
             platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
       yield
 
@@ -232,7 +239,9 @@ def variants() -> tuple[Variant, ...]:
   fused_replicated / bsp_replicated (the decode step over replicated
   activations), fused_replicated_pallas (the same with impl="pallas": the
   decode kernel, the matmul with the Lamport all-reduce in its epilogue and
-  the Lamport all-gather), fused_replicated_pallas_unfused (the same with
+  the Lamport all-gather; `decode_matmul`'s kernel for the column-parallel
+  matmuls where it runs; fused_replicated_pallas_xla_columns: XLA's there),
+  fused_replicated_pallas_unfused (the same with
   XLA's matmuls, then the Lamport all-reduce), and fused / bsp without XLA's
   dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
@@ -246,6 +255,9 @@ def variants() -> tuple[Variant, ...]:
               compiler_options=_NO_SLICE_FUSION),
       Variant("fused_replicated_pallas_unfused", "pallas", None, decode_activations="replicated",
               unfused_sums=True, compiler_options=_NO_SLICE_FUSION),
+      Variant("fused_replicated_pallas_xla_columns", "pallas", None,
+              decode_activations="replicated", xla_columns=True,
+              compiler_options=_NO_SLICE_FUSION),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))

@@ -70,6 +70,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import decode_collectives
+from jax_overlap import decode_matmul
 from jax_overlap import sharded
 from jax_overlap.all_gather_matmul import all_gather_matmul
 from jax_overlap.all_gather_matmul import explain as explain_all_gather_matmul
@@ -331,10 +332,15 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   if decode_batch is not None and cache_len is not None:
     if decode_activations == "replicated":
       sites = decode_exchange_choices(c, axis_size=d, batch=decode_batch, impl=impl)
-      choices += [(f"decode {name}", f"{how} (activations replicated)")
-                  for name, how in (("qkv", f"local matmul, then the heads' {sites.gathered}"),
-                                    ("o", sites.summed), ("gate_up", "local matmul"),
-                                    ("down", sites.summed), ("head", "local matmul"))]
+
+      def local(k, n):
+        x, w = s(decode_batch, k), s(k, n)
+        return decode_matmul.explain(x, w, impl=_column_impl(impl, x, w))
+
+      choices += [(f"decode {name}", f"{how} (activations replicated)") for name, how in (
+          ("qkv", f"{local(c.hidden, qkv_cols)}, then the heads' {sites.gathered}"),
+          ("o", sites.summed), ("gate_up", local(c.hidden, 2 * c.ffn // d)),
+          ("down", sites.summed), ("head", local(c.hidden, c.vocab // d)))]
     else:
       choices += ops(decode_batch, "decode")
     choices.append(("decode attention", explain_flash_decode(
@@ -425,6 +431,14 @@ class _LayerWeight(NamedTuple):
   index: int
 
 
+def _column_impl(impl: str, x, w, index: int | None = None) -> str:
+  """`decode_matmul`'s impl for a replicated decode step's column-parallel
+  matmul in a model of `impl`: its kernel with impl="pallas" where it runs,
+  else XLA's matmul."""
+  kernel = impl == "pallas" and decode_matmul.kernel_runs(x, w, index=index)
+  return "pallas" if kernel else "xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class _ReplicatedOps(_Ops):
   """The two matmuls over activations replicated on every device (a decode
@@ -436,8 +450,12 @@ class _ReplicatedOps(_Ops):
   matmul_sum: Callable[[jax.Array, _LayerWeight], jax.Array] | None = None
 
   def column(self, x, w):
-    """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange."""
-    return jnp.dot(x, w, preferred_element_type=x.dtype)
+    """x [N, K] @ w [K, C / D] -> [N, C / D], no exchange (w an array or a
+    layer's `_LayerWeight`): with impl="pallas" `decode_matmul`'s kernel
+    where it runs, else XLA's matmul."""
+    stack, index = (w.stack, w.index) if isinstance(w, _LayerWeight) else (w, None)
+    return decode_matmul.decode_matmul(x, stack, impl=_column_impl(self.impl, x, stack, index),
+                                       index=index)
 
   def row(self, x, w: _LayerWeight):
     """x [N, K / D] @ w [K / D, C], summed over the axis -> [N, C]."""
@@ -869,8 +887,9 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     k_out, v_out = [], []
     for i in range(layers):
       p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
-      if replicated:  # the row-parallel weights stay in their stacks (`matmul_all_reduce`)
-        p.update({name: _LayerWeight(params["layers"][name], i) for name in ("w_o", "w_down")})
+      if replicated:  # the matmuls' weights stay in their stacks (read in place by the kernels)
+        p.update({name: _LayerWeight(params["layers"][name], i)
+                  for name in ("w_qkv", "w_o", "w_gate_up", "w_down")})
       x, k_i, v_i = layer(x, p, k_cache[i], v_cache[i])
       k_out.append(k_i)
       v_out.append(v_i)

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import decode_collectives
+from jax_overlap import decode_matmul
 from jax_overlap import dispatch
 from jax_overlap import transformer
 from pallas_kernels import lamport
@@ -334,8 +335,9 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
   cache without their states, and threads the states that `exchange_state`
   made through its calls: per layer per step two matmul sums (the fused
   kernel's, or under `unfused_matmul_sums` the all-reduce kernel's after
-  XLA's matmul) and one gather of the heads, and the logits of the XLA
-  model."""
+  XLA's matmul) and one gather of the heads, its column-parallel matmuls
+  through `decode_matmul`'s kernel on the stacked weights, and the logits of
+  the XLA model."""
   for name in ("_ALL_REDUCE", "_ALL_GATHER", "_MATMUL_ALL_REDUCE"):
     monkeypatch.setattr(decode_collectives, name, dispatch.Op(name, {
         "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
@@ -343,6 +345,16 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
   monkeypatch.setattr(decode_collectives.lamport, "all_gather", _counted(
       functools.partial(lax.all_gather, tiled=True)))
   monkeypatch.setattr(decode_collectives.fused_kernel, "matmul_all_reduce", _counted_matmul_sum)
+  columns = []  # (w's rank, index) of each column-parallel kernel call traced
+
+  def column_kernel(x, w, *, index=None):
+    columns.append((w.ndim, index))
+    return jnp.dot(x, w if index is None else w[index], preferred_element_type=x.dtype)
+
+  monkeypatch.setattr(decode_matmul, "_OP", dispatch.Op("decode_matmul", {
+      "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
+  monkeypatch.setattr(decode_matmul, "_pallas_support", lambda p: None)
+  monkeypatch.setattr(decode_matmul.kernel, "decode_matmul", column_kernel)
   with decode_collectives.unfused_matmul_sums(unfused):
     d, layers, batch = 2, 2, 3
     config = transformer.MODELS["tiny"]
@@ -378,5 +390,9 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
               assert counts.shape[0] == d and (counts == per_layer * layers * len(seen)).all()
         caches[impl], logits[impl] = cache, seen
     assert caches["xla_bsp"].exchange is None
+    # qkv's and gate-up's weights reach the kernel in their stacks, the
+    # head's as it is (one trace).
+    assert sorted(columns, key=str) == sorted(
+        [(3, i) for i in range(layers) for _ in range(2)] + [(2, None)], key=str)
     for got, want in zip(logits["pallas"], logits["xla_bsp"]):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)

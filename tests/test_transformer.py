@@ -386,11 +386,12 @@ def test_replicated_decode_activations_are_explained_and_checked():
   activations sharded, a batch that does not split are refused by name."""
   lines = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
                               cache_len=32768, decode_activations="replicated")
-  qkv = next(line for line in lines if line.startswith("decode qkv: local matmul, then"))
+  qkv = next(line for line in lines if line.startswith("decode qkv: decode_matmul: impl='xla'"
+                                                       " -> xla, then"))
   assert "the heads' all_gather: impl='auto' -> xla; pallas rejected: the Pallas kernels" in qkv
   down = next(line for line in lines if line.startswith("decode down: matmul_all_reduce"))
   assert "impl='auto' -> xla; pallas rejected: the Pallas kernels need" in down, down
-  assert "decode gate_up: local matmul (activations replicated)" in lines, lines
+  assert "decode gate_up: decode_matmul: impl='xla' -> xla (activations replicated)" in lines, lines
   bsp = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
                             cache_len=32768, decode_activations="replicated", impl="xla_bsp")
   assert any("matmul_all_reduce: impl='xla' -> xla" in line for line in bsp), bsp

@@ -142,8 +142,10 @@ def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatc
   passes without the flag in XLA_FLAGS); fused keeps the fusion."""
   testkit.without_loop_flag(monkeypatch)
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,"
-                                          "fused_replicated_pallas,fused_replicated_pallas_unfused"]):
+                                          "fused_replicated_pallas,fused_replicated_pallas_unfused,"
+                                          "fused_replicated_pallas_xla_columns"]):
     fused, *lamport = bench.variants()
+  assert [v.xla_columns for v in lamport] == [False, False, True]
   with fused.tracing():
     assert not platform.dynamic_slice_fusion_off()
   for v in lamport:
