@@ -129,7 +129,6 @@ def default_config(rows: int, k: int, n: int, *, wg_split: str = "n",
   return MatmulAllReduceConfig(tiles, pad_rows, k_splits)
 
 
-
 def unsupported_reason(rows: int, k: int, n: int, dtype, config: MatmulAllReduceConfig, *,
                        axis_size: int, num_sms: int | None = None) -> str | None:
   """None if the kernel runs x [rows, k] @ w [k, n] over `axis_size`
