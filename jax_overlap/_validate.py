@@ -56,6 +56,18 @@ def check_same_dtype(args: dict) -> None:
       )
 
 
+def check_layer_weight(x, w, index: int | None) -> None:
+  """x [rows, K] and w [K, N] in x's dtype, or a stack [L, K, N] with
+  0 <= index < L; else ValueError naming what does not fit."""
+  check_rank("x", x, 2, "[rows, K]")
+  stacked = index is not None
+  check_rank("w", w, 3 if stacked else 2, "[L, K, N] with index" if stacked else "[K, N]")
+  if w.shape[-2] != x.shape[1] or w.dtype != x.dtype or (stacked and not 0 <= index < w.shape[0]):
+    raise ValueError(f"w {jnp.dtype(w.dtype).name}{list(w.shape)} (index={index}) does not fit x"
+                     f" {jnp.dtype(x.dtype).name}{list(x.shape)}: expected [{x.shape[1]}, N] in"
+                     " x's dtype (or [L, K, N] with 0 <= index < L).")
+
+
 def check_dim(arg: str, got: int, want: int, what: str) -> None:
   if got != want:
     raise ValueError(f"{arg}: {what} must be {want}, got {got}.")

@@ -197,13 +197,7 @@ def _bind(x, state, axis_size: int) -> Problem:
 
 
 def _bind_matmul(x, w, state, axis_size: int, index: int | None) -> Problem:
-  _validate.check_rank("x", x, 2, "[rows, K]")
-  stacked = index is not None
-  _validate.check_rank("w", w, 3 if stacked else 2, "[L, K, N] with index" if stacked else "[K, N]")
-  if w.shape[-2] != x.shape[1] or w.dtype != x.dtype or (stacked and not 0 <= index < w.shape[0]):
-    raise ValueError(f"w {jnp.dtype(w.dtype).name}{list(w.shape)} (index={index}) does not fit x"
-                     f" {jnp.dtype(x.dtype).name}{list(x.shape)}: expected [{x.shape[1]}, N] in"
-                     " x's dtype (or [L, K, N] with 0 <= index < L).")
+  _validate.check_layer_weight(x, w, index)
   rows, n = x.shape[0], w.shape[-1]
   if state is not None:
     lamport.check_state(rows, n, axis_size, state, _matmul_exchange(rows, n))

@@ -45,13 +45,7 @@ class Problem:
 
 
 def _bind(x, w, index: int | None) -> Problem:
-  _validate.check_rank("x", x, 2, "[rows, K]")
-  stacked = index is not None
-  _validate.check_rank("w", w, 3 if stacked else 2, "[L, K, N] with index" if stacked else "[K, N]")
-  if w.shape[-2] != x.shape[1] or w.dtype != x.dtype or (stacked and not 0 <= index < w.shape[0]):
-    raise ValueError(f"w {jnp.dtype(w.dtype).name}{list(w.shape)} (index={index}) does not fit x"
-                     f" {jnp.dtype(x.dtype).name}{list(x.shape)}: expected [{x.shape[1]}, N] in"
-                     " x's dtype (or [L, K, N] with 0 <= index < L).")
+  _validate.check_layer_weight(x, w, index)
   return Problem(x.shape[0], x.shape[1], w.shape[-1], jnp.dtype(x.dtype))
 
 

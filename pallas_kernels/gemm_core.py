@@ -177,6 +177,19 @@ def whole_rows_tiles(span: int | None, n: int, dtype) -> GemmTiles | None:
   return tiles
 
 
+def weight_index(x, w, index: int | None) -> tuple[int, ...]:
+  """w's static index for a kernel's ref: () for w [K, N], (index,) for a
+  stack [L, K, N] read in place at `index`; ValueError unless w fits x
+  [rows, K] (K, dtype) and 0 <= index < L."""
+  (_, k), n = x.shape, w.shape[-1]
+  stacked = () if index is None else (index,)
+  if (w.shape[len(stacked):] != (k, n) or w.dtype != x.dtype or len(w.shape) != 2 + len(stacked)
+      or (stacked and not 0 <= index < w.shape[0])):
+    raise ValueError(f"w must be [{k}, N] in x's dtype (or [L, {k}, N] with 0 <= index < L), got"
+                     f" {w.dtype.name}{list(w.shape)} with index={index}")
+  return stacked
+
+
 def pad_row_blocks(a, blocks: int, rows: int, block_rows: int):
   """a [blocks * rows, C] -> [blocks * block_rows, C]: each block of `rows`
   rows followed by zero rows (whole_rows tiles span D blocks of a fixed

@@ -258,11 +258,7 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *
   """
   d = lax.axis_size(axis_name)
   (rows, k), n = x.shape, w.shape[-1]
-  stacked = () if index is None else (index,)
-  if (w.shape[len(stacked):] != (k, n) or w.dtype != x.dtype or len(w.shape) != 2 + len(stacked)
-      or (stacked and not 0 <= index < w.shape[0])):
-    raise ValueError(f"w must be [{k}, N] in x's dtype (or [L, {k}, N] with 0 <= index < L), got"
-                     f" {w.dtype.name}{list(w.shape)} with index={index}")
+  stacked = gemm_core.weight_index(x, w, index)
   config = config or default_config(rows, k, n)
   splits = config.k_splits
   if num_sms is None and splits > 1:
