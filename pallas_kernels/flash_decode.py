@@ -141,6 +141,15 @@ class FlashDecodeConfig:
       H200s, session 45); the mask's iota, compare and select on every
       step's scores are one suspect. Experimental: interpreter- and
       lowering-tested, not yet run on GPUs.
+    stream: phase 1 over the flattened (batch, KV head, K/V step) space in
+      equal shares, one per block (stream-K), instead of whole items: with
+      more (batch, KV head) pairs than SMs, whole items leave the last wave
+      short (b32 x 8 KV heads over 8192 positions on 132 SMs: 2 items of 64
+      steps on most SMs where 124.1 steps would do, 3%). A pair's steps fall
+      in at most two shares: the first's into slot 0, the rest into slot 1
+      (an empty partial where one share holds the whole pair); needs
+      splits = 2. Experimental: interpreter- and lowering-tested, not yet run
+      on GPUs.
   """
   block_kv: int = 128
   splits: int = 1
@@ -150,6 +159,7 @@ class FlashDecodeConfig:
   narrow_partials: bool = True
   one_fence: bool = True
   last_step_mask: bool = False
+  stream: bool = False
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
@@ -232,6 +242,8 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
             f" Hq / Hkv = {group} (Hq={q_heads}, Hkv={kv_heads}).")
   if config.block_kv % 64 or config.splits < 1 or config.stages < 2:
     return f"bad config {config}: block_kv % 64 == 0, splits >= 1, stages >= 2."
+  if config.stream and config.splits != 2:
+    return f"config.stream needs splits = 2 (a pair's two pieces), got {config.splits}."
   if head_dim % config.combine_cols or config.combine_cols % 16:
     return f"bad config {config}: combine_cols must divide Dh = {head_dim} and be a multiple of 16."
   if s_shard % (config.block_kv * config.splits):
@@ -251,9 +263,10 @@ _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet run on GPUs there), or None."""
-  if config.last_step_mask:
-    return ("config.last_step_mask is interpreter- and lowering-tested, not yet run on GPUs"
-            " (benchmarks/NOTES.md, session 45).")
+  for name in ("last_step_mask", "stream"):
+    if getattr(config, name):
+      return (f"config.{name} is interpreter- and lowering-tested, not yet run on GPUs"
+              " (benchmarks/NOTES.md, session 45).")
   if config.merge_all and axis_size not in _MERGE_ALL_GPU_TESTED_AXIS_SIZES:
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
@@ -338,6 +351,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   tail = b * hkv - (tiles - 1) * per_tile  # groups in the last merge tile
   col_chunks = dh // config.combine_cols
   items = b * hkv * splits
+  stream_shares_n = min(num_sms, b * hkv)  # config.stream's shares of phase 1
   merges = tiles * col_chunks
   grid = 1 if not exchange else min(num_sms, items + merges)
   dtype = q.dtype
@@ -363,16 +377,17 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
 
     @jax.named_scope("deliver")
-    def deliver(o_smem, lse_smem, window, bh, slot, item):
+    def deliver(o_smem, lse_smem, window, bh, slot, first, prev):
       """Stores group bh's rows, from row `window` of the staging tiles, into
       this device's receive buffers and raises the merge tile's semaphore for
-      this source here once they have landed; then raises the peers'
-      semaphores for the block's previous item (its stores there have long
-      landed) and stores this item's rows into the peers, whose semaphores
-      `publish` raises at the block's next item or after its last: no item
-      waits for a remote round trip before the next one starts, and the
-      local signal does not wait for the remote stores. The seam: after the
-      own rows, the peers' rows from `received`."""
+      this source here once they have landed; then (unless this is the
+      block's `first` delivery) raises the peers' semaphores for the block's
+      previous one, of group `prev` (its stores there have long landed), and
+      stores these rows into the peers, whose semaphores `publish` raises at
+      the block's next delivery or after its last: none waits for a remote
+      round trip before the next one starts, and the local signal does not
+      wait for the remote stores. The seam: after the own rows, the peers'
+      rows from `received`."""
       src, dst = pl.ds(window, group), pl.ds(bh * group, group)
 
       def store(o_to, lse_to):
@@ -384,9 +399,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       if exchange:
         signals.signal(ready.at[bh // per_tile, me])
         if remote:
-          pl.when(item >= grid)(lambda: publish(item - grid))
+          pl.when(jnp.logical_not(first))(lambda: publish(prev))
           with jax.named_scope("wait_entry"):  # before the block's first store into a peer
-            pl.when(item < grid)(peers_in.wait)
+            pl.when(first)(peers_in.wait)
           for dev in peers:
             store(plgpu.remote_ref(recv_o, {axis_name: dev}),
                   plgpu.remote_ref(recv_lse, {axis_name: dev}))
@@ -406,17 +421,20 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           pl.run_scoped(lambda loaded, peer=peer: relay(peer, loaded),
                         plgpu.Barrier(num_arrivals=2))
 
+    def q_window(bh):
+      """(first row, offset): group bh's G rows start `offset` (< 8) rows into
+      the 64-row window of q from an 8-aligned first row."""
+      start = bh * heads // 8 * 8
+      return start, bh * heads - start
+
     @jax.named_scope("attend")
-    def attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem):
-      """Phase 1: the partial of (batch, KV head, split) = item."""
-      bh, split = item // splits, lax.rem(item, splits)
-      batch, head = bh // hkv, lax.rem(bh, hkv)
-      # The group's G rows start at `window` (< 8); rows past q's end read as zeros.
-      window_start = bh * heads // 8 * 8
-      window = bh * heads - window_start
+    def attend(bh, split, kv, length, first, prev, q_smem, q_loaded, p_smem, o_smem, lse_smem):
+      """Phase 1: group bh's partial over the K/V of `kv` = (k, v, index
+      map: [block_kv, Dh] block of pipeline step i), whose first `length`
+      positions are valid, into slot `split`; then `deliver`s it."""
+      window_start, window = q_window(bh)
+      # Rows past q's end read as zeros.
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, ROWS)], q_smem, q_loaded)
-      start = split * chunk
-      length = chunk if kv_lens is None else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk)
       steps = pl.cdiv(length, config.block_kv)
 
       def matmul(a_smem, b_smem, n):
@@ -446,7 +464,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + matmul(p_smem, v_smem, dh)
         return acc, m_new, l * alpha + p.sum(axis=1)
 
-      spec = plgpu.BlockSpec((config.block_kv, dh), lambda i: (i, 0), transforms=swizzled)
+      k_view, v_view, index_map = kv
+      spec = plgpu.BlockSpec((config.block_kv, dh), index_map, transforms=swizzled)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       acc, m, l = plgpu.emit_pipeline(
           step, grid=(steps,), in_specs=[spec, spec],
@@ -454,7 +473,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA),
                       plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
                       plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
-      )(k_ref.at[batch, pl.ds(start, chunk), head], v_ref.at[batch, pl.ds(start, chunk), head])
+      )(k_view, v_view)
       pl.when(steps == 0)(lambda: plgpu.barrier_wait(q_loaded))  # keep the barrier's phase
 
       some = l > 0
@@ -465,13 +484,24 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       o_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(o_smem.dtype)
       lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
       plgpu.commit_smem()
-      deliver(o_smem, lse_smem, window, bh, me * splits + split, item)
+      deliver(o_smem, lse_smem, window, bh, me * splits + split, first, prev)
 
-    def publish(item):
-      """Raises phase-1 item `item`'s merge-tile semaphore on every peer (with
-      config.one_fence behind one fence); its stores there have landed."""
-      sem = lambda dev: plgpu.remote_ref(ready.at[item // splits // per_tile, me],
-                                         {axis_name: dev})
+    def deliver_empty(bh, first, prev, o_smem, lse_smem):
+      """An empty partial of group bh (zeros, lse -inf) into its slot 1 (config.stream)."""
+      if remote:  # the previous delivery's stores to the peers may still read the staging tiles
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = plgpu.layout_cast(jnp.zeros((ROWS, dh), o_smem.dtype), plgpu.Layout.WGMMA)
+      lse_smem[...] = lax.broadcast_in_dim(plgpu.layout_cast(
+          jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+          (ROWS, LSE_COLS), [0])
+      plgpu.commit_smem()
+      deliver(o_smem, lse_smem, q_window(bh)[1], bh, me * splits + 1, first, prev)
+
+    def publish(bh):
+      """Raises group bh's merge-tile semaphore on every peer (with
+      config.one_fence behind one fence); the block's last stores of it there
+      have landed."""
+      sem = lambda dev: plgpu.remote_ref(ready.at[bh // per_tile, me], {axis_name: dev})
       if config.one_fence:
         signals.signal_each([sem(dev) for dev in peers], "sys")
         return
@@ -583,18 +613,64 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * group, heads)],
                                   out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
 
-    def phase1(q_smem, q_loaded, p_smem, o_smem, lse_smem):
+    def whole_items(*scratch):
+      """Items (batch, KV head, split) sm, sm + grid, ...; returns (whether
+      the block had one, the last one's group)."""
       @pl.loop(sm, items, step=grid)
       def _(item):
-        attend(item, q_smem, q_loaded, p_smem, o_smem, lse_smem)
+        bh, split = item // splits, lax.rem(item, splits)
+        batch, head = bh // hkv, lax.rem(bh, hkv)
+        start = split * chunk
+        length = (chunk if kv_lens is None
+                  else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk))
+        kv = (k_ref.at[batch, pl.ds(start, chunk), head],
+              v_ref.at[batch, pl.ds(start, chunk), head], lambda i: (i, 0))
+        attend(bh, split, kv, length, item < grid, (item - grid) // splits, *scratch)
 
+      return sm < items, (sm + (items - 1 - sm) // grid * grid) // splits
+
+    def stream_shares(*scratch):
+      """config.stream: shares sm, sm + grid, ... of the pairs x steps K/V
+      steps, `per_share` each (the last one shorter), each pair's steps in a
+      share attended to as one piece; returns (whether the block delivered,
+      the last delivery's group)."""
+      steps_per_pair = s // config.block_kv
+      total = b * hkv * steps_per_pair
+      per_share = pl.cdiv(total, stream_shares_n)
+
+      def share(j, carry):
+        first_step = (sm + j * grid) * per_share
+        end = jnp.minimum(first_step + per_share, total)
+
+        def piece(bh, carry):
+          count, prev = carry
+          lo = jnp.maximum(first_step, bh * steps_per_pair) - bh * steps_per_pair
+          hi = jnp.minimum(end, (bh + 1) * steps_per_pair) - bh * steps_per_pair
+          batch, head = bh // hkv, lax.rem(bh, hkv)
+          local = s if kv_lens is None else jnp.clip(lens_ref[batch] - me * s, 0, s)
+          length = jnp.clip(local - lo * config.block_kv, 0, (hi - lo) * config.block_kv)
+          kv = (k_ref.at[batch, :, head], v_ref.at[batch, :, head], lambda i: (lo + i, 0))
+          attend(bh, jnp.where(lo == 0, 0, 1), kv, length, count == 0, prev, *scratch)
+          whole = (lo == 0) & (hi == steps_per_pair)
+          pl.when(whole)(lambda: deliver_empty(bh, False, bh, *scratch[-2:]))
+          return count + 1 + whole.astype(jnp.int32), bh
+
+        return lax.fori_loop(first_step // steps_per_pair,
+                             (end - 1) // steps_per_pair + 1, piece, carry)
+
+      count, last = lax.fori_loop(0, pl.cdiv(jnp.maximum(stream_shares_n - sm, 0), grid), share,
+                                  (jnp.int32(0), jnp.int32(0)))
+      return count > 0, last
+
+    def phase1(*scratch):
+      delivered, last = (stream_shares if config.stream else whole_items)(*scratch)
       if remote:
-        @pl.when(sm < items)
+        @pl.when(delivered)
         @jax.named_scope("publish")
-        def _():  # the block's last item
+        def _():  # the block's last delivery
           with jax.named_scope("stores_land"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          publish(sm + (items - 1 - sm) // grid * grid)
+          publish(last)
 
     pl.run_scoped(phase1,
                   plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),

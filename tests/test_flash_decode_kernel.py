@@ -90,7 +90,7 @@ CASES = [
 ]
 
 
-def _run(case, index, given_o, given_lse, interpret):
+def _run(case, index, given_o, given_lse, interpret, num_sms=132):
   """Device `index`'s (out, recv_o, recv_lse) through the exchange seam."""
   b, hq, hkv, dh, s, d, lens, dtype, config = case
   rng = _rng(case[:6])
@@ -98,7 +98,7 @@ def _run(case, index, given_o, given_lse, interpret):
              for shape in ((b, hq, dh), (b, d * s, hkv, dh), (b, d * s, hkv, dh)))
   mine = slice(index * s, (index + 1) * s)
   f = jax.jit(lambda q, k, v, n, o, lse: fd.flash_decode(
-      q, k, v, n, scale=1 / math.sqrt(dh), config=config, num_sms=132,
+      q, k, v, n, scale=1 / math.sqrt(dh), config=config, num_sms=num_sms,
       received=fd.Received(o, lse, index), interpret=interpret))
   outs = f(q, k[:, mine], v[:, mine], None if lens is None else np.asarray(lens, np.int32),
            given_o, given_lse)
@@ -125,16 +125,44 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
   on every device. An empty split publishes lse = -inf."""
+  _check_merges(case, interpreter)
+
+
+# config.stream: (case, num_sms): more (batch, KV head) pairs than shares, so
+# that pairs fall in two shares (6 pairs of 4 steps in 4 shares of 6 steps;
+# 10 pairs of 2 steps in 3 shares of 7), lengths ending mid-share, zero, and
+# past device 0's slice.
+STREAM_CASES = [
+    ((3, 8, 2, 128, 256, 2, (512, 300, 37), BF16,
+      fd.FlashDecodeConfig(64, 2, 2, 64, stream=True)), 4),
+    ((5, 16, 2, 64, 128, 2, (256, 1, 130, 0, 200), F16,
+      fd.FlashDecodeConfig(64, 2, 2, 32, stream=True, last_step_mask=True)), 3),
+    ((3, 8, 2, 128, 256, 3, None, BF16, fd.FlashDecodeConfig(64, 2, 2, 64, stream=True)), 4),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case, num_sms", STREAM_CASES,
+                         ids=lambda c: f"b{c[0]}_D{c[5]}" if isinstance(c, tuple) else f"sms{c}")
+def test_stream_shares_merge_to_the_float64_reference(case, num_sms, interpreter):
+  """config.stream: phase 1 in equal shares of the pairs' K/V steps, a pair
+  split between two shares into slots 0 and 1 (or slot 1 empty), merged as
+  any two splits are."""
+  _check_merges(case, interpreter, num_sms)
+
+
+def _check_merges(case, interpreter, num_sms=132):
   b, hq, hkv, dh, s, d, lens, dtype, config = case
   assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
   splits = config.splits
   # Pass 1: every device's own partials (the others' slots empty).
-  partials = [_run(case, i, *_empty_partials(case), interpreter)[1][1:] for i in range(d)]
+  partials = [_run(case, i, *_empty_partials(case), interpreter, num_sms)[1][1:]
+              for i in range(d)]
   given_o = jnp.concatenate([_own_slots(o, i, splits) for i, (o, _) in enumerate(partials)])
   given_lse = jnp.concatenate([_own_slots(l, i, splits) for i, (_, l) in enumerate(partials)])
   chunk = s // splits
   rows = fd.padded_group(hq // hkv)
-  for i in range(d):
+  for i in range(d if not config.stream else 0):  # static splits: empty ones known
     for bi, n in enumerate(lens or ()):
       for split in range(splits):
         if n <= i * s + split * chunk:  # no valid position in this split
@@ -144,7 +172,7 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
   tol = 2e-2 if dtype == BF16 else 4e-3  # P is rounded to the input dtype for the PV wgmma
   outs = []
   for i in range(d):
-    (q, k, v), (out, recv_o, _) = _run(case, i, given_o, given_lse, interpreter)
+    (q, k, v), (out, recv_o, _) = _run(case, i, given_o, given_lse, interpreter, num_sms)
     # As float32: NumPy matches NaNs (the rows past the last group, never
     # written) in place for float32, not for ml_dtypes' bfloat16.
     np.testing.assert_array_equal(np.asarray(_own_slots(recv_o, i, splits), np.float32),
@@ -223,12 +251,18 @@ def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
   return exported.mlir_module()
 
 
-@pytest.mark.parametrize("d", [2, 4])
-def test_last_step_mask_lowers_for_cuda(d):
-  """The branch around the last step's mask lowers for CUDA (the model's
-  decode shape per device at D = 4: b32, 64 / 8 heads, 8192 positions)."""
-  module = _cuda_module(d, BF16, 128, 64, 32, 8192 * d, last_step_mask=True)
+@pytest.mark.parametrize("overrides", [dict(last_step_mask=True), dict(stream=True, splits=2),
+                                       dict(stream=True, splits=2, last_step_mask=True)],
+                         ids=lambda o: "_".join(o))
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_experimental_phase1_configs_lower_for_cuda(d, overrides):
+  """The branch around the last step's mask, and stream-K shares (each
+  delivery publishing the previous one to the peers), lower for CUDA with
+  the exchange (the model's decode shape per device at D = 4: b32, 64 / 8
+  heads, 8192 positions)."""
+  module = _cuda_module(d, BF16, 128, 64, 32, 8192 * d, **overrides)
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module
+  assert "red.release.gpu" in module and "fence.acq_rel.sys;" in module
 
 
 @pytest.mark.parametrize("d", [2, 4])
@@ -272,6 +306,9 @@ def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
   assert bad_cols is not None and "combine_cols" in bad_cols
   deep = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 4))
   assert deep is not None and "shared memory" in deep
+  stream = fd.unsupported_reason(2, 8, 2, 128, 512, BF16,
+                                 fd.FlashDecodeConfig(128, 1, 2, stream=True))
+  assert "config.stream needs splits = 2" in stream
 
 
 def test_merge_ring_takes_as_many_partials_per_step_as_fit():
@@ -325,6 +362,7 @@ def test_experimental_configs_are_named(d):
   assert config.one_fence
   assert fd.experimental_reason(dataclasses.replace(config, one_fence=False),
                                 axis_size=d) is None
-  assert not config.last_step_mask
-  assert "last_step_mask" in fd.experimental_reason(
-      dataclasses.replace(config, last_step_mask=True), axis_size=d)
+  for name in ("last_step_mask", "stream"):
+    assert not getattr(config, name)
+    assert f"config.{name} is interpreter- and lowering-tested" in fd.experimental_reason(
+        dataclasses.replace(config, **{name: True}), axis_size=d)
