@@ -32,7 +32,7 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
-STEPS="${STEPS:-gpu_tests gpu_tests_lamport decode_collectives all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile windowed_einsum auto_grid}"
+STEPS="${STEPS:-gpu_tests gpu_tests_lamport decode_collectives decode_matmul all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile windowed_einsum auto_grid}"
 
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
@@ -61,6 +61,7 @@ step gpu_tests_lamport env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_
 step decode_collectives env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
     python3 -m benchmarks.decode_collectives --out_dir="$OUT"
 
+step decode_matmul python3 -m benchmarks.decode_matmul --out_dir="$OUT"
 step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" \
     --iterations="$ITERATIONS" --tune_budget_s="$TUNE_BUDGET_S"
 for bench in matmul_reduce_scatter flash_decode; do
