@@ -11,9 +11,10 @@ down at D = 4 by default) runs seven cases: "xla" (XLA's matmul, then psum),
 "unfused" (XLA's matmul, then the Lamport all-reduce kernel), "fused_n" and
 "fused_m" (the kernel with the all-reduce in its epilogue, its warpgroups
 side by side or stacked), "fused_n_fill" ("fused_n" with x's rows past its
-end zero-filled by TMA instead of padded: `pad_rows=False`), "fused_n_k2" (each column
-tile by a pair of blocks over halves of K: `k_splits=2`) and "gemm" (XLA's matmul alone,
-no exchange: the floor the exchange is hidden under). For it, "busy" is
+end zero-filled by TMA instead of padded: `pad_rows=False`), "fused_n_k2"
+(each column tile by a pair of blocks over halves of K: `k_splits=2`) and
+"gemm" (XLA's matmul alone, no exchange: the floor the exchange is hidden
+under). For it, "busy" is
 each device's kernel time per call in the chain (the matmul, the exchange
 and the chain's slice-and-scale), and its error is over the float64 sum of
 the products.

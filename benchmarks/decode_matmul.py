@@ -29,7 +29,8 @@ from pallas_kernels import decode_matmul as kernel
 from pallas_kernels import platform
 
 _SHAPES = flags.DEFINE_list(
-    "matmul_shapes", [f"{rows}x8192x{n}" for n in (2560, 5120, 14336, 28672) for rows in (8, 32, 128)],
+    "matmul_shapes",
+    [f"{rows}x8192x{n}" for n in (2560, 5120, 14336, 28672) for rows in (8, 32, 128)],
     "rows x K x N.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
 CASES = ("xla", "pallas")

@@ -3,8 +3,8 @@ same model on the best BSP paths, per step, at several axis sizes in one call.
 
     python -m benchmarks.transformer [--quick] [--models=70b,8b] [--steps=train,prefill,decode]
         [--axis_sizes=4,2] [--model_layers=8] [--iterations=0] [--time_budget_s=540]
-        [--decode_bsp_impl=pallas_bsp] [--decode_shapes=8x8192,32x32768] [--out_dir=benchmarks/results]
-        [--fresh] [--one_process]
+        [--decode_bsp_impl=pallas_bsp] [--decode_shapes=8x8192,32x32768]
+        [--out_dir=benchmarks/results] [--fresh] [--one_process]
 
 Variants of the same model, same weights, same cuDNN attention (XLA's on CPU):
   fused  impl="auto" for every collective op and flash_decode: our Pallas
