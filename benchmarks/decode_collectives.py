@@ -14,10 +14,9 @@ side by side or stacked), "fused_n_fill" ("fused_n" with x's rows past its
 end zero-filled by TMA instead of padded: `pad_rows=False`), "fused_n_k2"
 (each column tile by a pair of blocks over halves of K: `k_splits=2`) and
 "gemm" (XLA's matmul alone, no exchange: the floor the exchange is hidden
-under). For it, "busy" is
-each device's kernel time per call in the chain (the matmul, the exchange
-and the chain's slice-and-scale), and its error is over the float64 sum of
-the products.
+under). For it, "busy" is each device's kernel time per call in the chain
+(the matmul, the exchange and the chain's slice-and-scale), and its error is
+over the float64 sum of the products.
 
 A kernel whose state is threaded through every call cannot be timed by
 calling one function on the same inputs again and again (CUPTI's
