@@ -1,7 +1,7 @@
 """`decode_matmul`'s kernel against XLA's matmul (cuBLAS) at decode-size rows, one GPU.
 
-    python -m benchmarks.decode_matmul [--matmul_shapes=32x8192x2560,32x8192x14336]
-        [--rounds=5] [--out_dir=...]
+    python -m benchmarks.decode_matmul [--column_shapes=32x8192x2560,32x8192x14336]
+        [--iterations=30] [--out_dir=...]
 
 Per rows x K x N shape (default: the 70B-like qkv and gate-up projections per
 device at D = 4 and 2, 8 to 128 rows): each case's output against float64 on
@@ -29,10 +29,10 @@ from pallas_kernels import decode_matmul as kernel
 from pallas_kernels import platform
 
 _SHAPES = flags.DEFINE_list(
-    "matmul_shapes",
+    "column_shapes",
     [f"{rows}x8192x{n}" for n in (2560, 5120, 14336, 28672) for rows in (8, 32, 128)],
     "rows x K x N.")
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
+ROUNDS = 5  # interleaved rounds per shape
 CASES = ("xla", "pallas")
 
 
@@ -61,7 +61,7 @@ def main(argv) -> None:
       got = np.asarray(fn(x, w), np.float64)
       errors[case] = float(np.abs(got - want).max() / np.abs(want).max())
       calls[case] = (fn, (x, w))
-    times = harness.interleaved_rounds(calls, rounds=_ROUNDS.value, iterations=iterations,
+    times = harness.interleaved_rounds(calls, rounds=ROUNDS, iterations=iterations,
                                        devices=1)
     floor = k * n * 2 / harness.peak_hbm() * 1e6
     for case, ts in times.items():
