@@ -5,7 +5,8 @@ every device): block b computes the column tile [:, b * cta_n : (b + 1) *
 cta_n] over the whole of K with `gemm_core.TileMatmul` (a deep ring of TMA
 loads of w; x padded with zero rows to the tile's rows in HBM before the
 kernel, as TMA's zero fill past x's end cost ~10%: `matmul_all_reduce`'s
-pad_rows), and stores the tile's first `rows` rows. One tile per block, so
+pad_rows) and stores the whole tile into a [cta_m, N] output, of which the
+first `rows` rows are returned. One tile per block, so
 the grid is N / cta_n blocks: the op is for wide weights, where that fills
 the SMs (the 70B-like gate-up projection per device at D = 4, 32 x 8192 x
 14336, 112 blocks: 56.7 µs on one H200 against cuBLAS's 62.4, 86% against
