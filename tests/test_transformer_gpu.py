@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap import decode_matmul
 from jax_overlap import transformer
 from pallas_kernels import platform
 import testkit
@@ -82,14 +83,16 @@ def test_training_gradients_match_the_xla_model(d):
 @pytest.mark.parametrize("activations, decode_impl", [
     ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas")])
 @pytest.mark.parametrize("d", [2, 4])
-def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl):
+def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, monkeypatch):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
   512-position cache, then three decode steps (the cache donated), the
   `auto` model's prefill and its decode with `decode_impl` over the decode
   activations given ("pallas" over replicated ones: the Lamport exchange
   kernels, their states in the cache, the step's program compiled with XLA's
-  dynamic-slice fusion off as `transformer.jitted` does), the XLA model's
-  sharded."""
+  dynamic-slice fusion off as `transformer.jitted` does, and the column
+  matmuls through `decode_matmul`'s kernel at this model's narrow widths), the
+  XLA model's sharded."""
+  monkeypatch.setattr(decode_matmul, "MIN_TILES", 1)
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
   cache_len, steps = 512, 3
