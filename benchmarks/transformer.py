@@ -96,7 +96,9 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
     " local kernel, all-gather, merge) on GPUs, xla_bsp elsewhere.")
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
-    "model_variants", ["fused", "bsp"], "Model variants: fused, bsp, fused_entry (fused with the matmul"
+    "model_variants", ["fused", "bsp"], "Model variants: fused (`auto`, the decode step's"
+    " activations by `transformer.decode_plan`), bsp, fused_sharded (fused, the decode step over"
+    " sharded activations), fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
@@ -211,7 +213,7 @@ class Variant:
   decode_impl: str | None
   entry: bool = False
   kernels: bool = False
-  decode_activations: str = "sharded"
+  decode_activations: str = "auto"
   unfused_sums: bool = False
   xla_columns: bool = False
   compiler_options: tuple[tuple[str, object], ...] = ()
@@ -232,8 +234,12 @@ class Variant:
 
 
 def variants() -> tuple[Variant, ...]:
-  """The --model_variants: fused (`auto`), bsp (the XLA paths, flash_decode
-  on its best BSP pipeline), fused_entry (fused, the kernels meeting
+  """The --model_variants: fused (`auto`; its decode step's activations as
+  `transformer.decode_plan` resolves "auto", compiled as `transformer.jitted`
+  compiles it), bsp (the XLA paths, flash_decode on its best BSP pipeline,
+  the decode step over sharded activations), fused_sharded (fused with the
+  decode step over sharded activations: `auto`'s before session 46),
+  fused_entry (fused, the kernels meeting
   inside), fused_kernels (fused, `auto` taking the kernels wherever they
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
@@ -246,7 +252,8 @@ def variants() -> tuple[Variant, ...]:
   dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   known = {v.name: v for v in (
-      Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode),
+      Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode, decode_activations="sharded"),
+      Variant("fused_sharded", "auto", None, decode_activations="sharded"),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),
@@ -259,7 +266,8 @@ def variants() -> tuple[Variant, ...]:
               decode_activations="replicated", xla_columns=True,
               compiler_options=_NO_SLICE_FUSION),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
-      Variant("bsp_no_slice_fusion", "xla_bsp", decode, compiler_options=_NO_SLICE_FUSION))}
+      Variant("bsp_no_slice_fusion", "xla_bsp", decode, decode_activations="sharded",
+              compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
   if unknown:
     raise app.UsageError(f"--model_variants: unknown {unknown}; known: {sorted(known)}.")
@@ -510,17 +518,23 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
   cache_shardings = jax.tree.map(lambda a: a.sharding, cache_abstract)
   exchange = None
-  with v.tracing():
-    kernel_sites = v.decode_activations == "replicated" and any(
-        choice.impl == "pallas" for choice in transformer.decode_exchange_choices(
-            config, axis_size=d, batch=b, impl=v.impl))
-    if kernel_sites:
+  # As `transformer.jitted` builds the step: where the plan takes the Lamport
+  # exchange kernels, compiled with XLA's dynamic-slice fusion off, their
+  # state in the cache.
+  with v.tracing(), platform.compiled_without_slice_fusion():
+    plan = transformer.decode_plan(config, axis_size=d, batch=b, impl=v.impl,
+                                   activations=v.decode_activations)
+  info["decode_activations"] = plan.activations
+  if plan.exchange_kernel:
+    v = dataclasses.replace(v, compiler_options=tuple(
+        {**dict(v.compiler_options), **dict(_NO_SLICE_FUSION)}.items()))
+    compile_ = lambda fn, *args: _compile(fn, v, *args)
+    with v.tracing():
       exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
-  if kernel_sites:
     cache_abstract = cache_abstract._replace(exchange=jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), exchange))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl,
-                                 activations=v.decode_activations, **common),
+                                 activations=plan.activations, **common),
                donate_argnums=(2,))
   compiled = compile_(fn, abstract_params,
                       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec), cache_abstract)

@@ -2,7 +2,7 @@
 shard: `matmul_all_reduce` (the row-parallel matmuls and their sum),
 `all_reduce` and `all_gather` (the heads' q, k and v).
 
-Their kernel ("pallas", `pallas_kernels.lamport`, experimental) stores each
+Their kernel ("pallas", `pallas_kernels.lamport`) stores each
 device's operand straight into persistent receive buffers on every device and
 reads them without a handshake, so each call needs the buffers its previous
 call left: a state that the caller threads through every call, donated (see
@@ -109,18 +109,31 @@ def _pallas_support(p: Problem) -> str | None:
   return None
 
 
-def _experimental(p: Problem) -> str | None:
-  del p
-  return ("experimental: it needs XLA's dynamic-slice fusion off in its program, which `auto`"
-          " cannot see to; impl='pallas' runs it. With it, the 70B-like decode step over"
-          " replicated activations measured 1.13-1.26x over BSP by dispatch at D = 4 and"
-          " 1.10-1.14x at D = 2 (4 H200s, session 45; benchmarks/NOTES.md, decode grid).")
+# Where `auto` takes the kernels: the axis sizes and operand sizes at which they
+# were tested and timed on GPUs (D = 2 and 4 on 4 H200s and 4 H100s, sessions
+# 43-46; up to 128 rows of 8192 bf16 columns, the 70B-like decode step's). There
+# the decode step over replicated activations with them ran 1.10-1.26x over
+# BSP's and ahead of the step over sharded activations (benchmarks/NOTES.md,
+# session 46). Each call stores its whole operand into every peer: a latency
+# design, not timed against NCCL's rings on larger operands.
+MEASURED_AXIS_SIZES = (2, 4)
+MEASURED_BYTES = 128 * 8192 * 2
+
+
+def _measured(p: Problem) -> str | None:
+  if p.axis_size not in MEASURED_AXIS_SIZES:
+    return (f"not yet tested and timed at D = {p.axis_size} (D = 2 and 4 only); impl='pallas'"
+            " runs it.")
+  if (nbytes := p.rows * p.cols * p.dtype.itemsize) > MEASURED_BYTES:
+    return (f"its operand ({p.rows} x {p.cols}, {nbytes} bytes) is larger than the"
+            f" {MEASURED_BYTES} bytes timed (a store of the whole operand into every peer is"
+            " a latency design); impl='pallas' runs it.")
+  return None
 
 
 def _op(name: str) -> dispatch.Op:
   return dispatch.Op(name, {
-      "pallas": dispatch.Impl(_pallas_support, _experimental,
-                              lambda p: "experimental (pallas_kernels.lamport)"),
+      "pallas": dispatch.Impl(_pallas_support, _measured),
       "xla": dispatch.Impl()}, ("pallas", "xla"))
 
 
@@ -173,19 +186,11 @@ def _matmul_support(p: Problem) -> str | None:
                                          axis_size=p.axis_size)
 
 
-def _matmul_experimental(p: Problem) -> str | None:
-  del p
-  return ("experimental: it needs XLA's dynamic-slice fusion off in its program, which `auto`"
-          " cannot see to; impl='pallas' runs it. In the 70B-like decode step level with XLA's"
-          " matmul + the all-reduce kernel (4 H100s, session 44); alone, 44.4 against 45.5 µs"
-          " at the down projection and 21.9 against 20.3-22.6 at o (4 H200s, session 45).")
-
-
 _MATMUL_ALL_REDUCE = dispatch.Op("matmul_all_reduce", {
     "pallas": dispatch.Impl(
-        _matmul_support, _matmul_experimental,
-        lambda p: ("experimental, unfused: XLA's matmul, then pallas_kernels.lamport's all-reduce"
-                   if _UNFUSED.get() else "experimental (pallas_kernels.matmul_all_reduce)")),
+        _matmul_support, _measured,
+        lambda p: ("unfused: XLA's matmul, then pallas_kernels.lamport's all-reduce"
+                   if _UNFUSED.get() else None)),
     "xla": dispatch.Impl()}, ("pallas", "xla"))
 
 
@@ -247,8 +252,8 @@ def all_reduce(x, state=None, *, axis_name, impl: str = "auto"):
         fusion off: `pallas_kernels.platform.LOOP_FLAG` in XLA_FLAGS, or the
         program compiled with `platform.NO_SLICE_FUSION_OPTIONS` and traced
         inside `platform.compiled_without_slice_fusion()`): one
-        store of x into every device's buffer, no handshake; experimental:
-        "auto" does not take it yet;
+        store of x into every device's buffer, no handshake; "auto" takes
+        it where it was timed (`MEASURED_AXIS_SIZES`, `MEASURED_BYTES`);
       "xla": the `lax` collective.
       A named impl that cannot run raises. See `explain_all_reduce`.
 
@@ -305,8 +310,8 @@ def matmul_all_reduce(x, w, state=None, *, axis_name, impl: str = "auto",
         into every device's Lamport buffer, then sums its columns from every
         device (Hopper, one process, D >= 2, bf16, rows <= 128, K a
         multiple of 64, N of 128, a state, XLA's
-        dynamic-slice fusion off as for `all_reduce`); experimental: "auto"
-        does not take it yet;
+        dynamic-slice fusion off as for `all_reduce`); "auto" takes it
+        where `all_reduce`'s kernel is timed;
       "xla": `jnp.dot` in x's dtype, then `lax.psum`.
       A named impl that cannot run raises. See `explain_matmul_all_reduce`.
     index: with a stacked w, the static index of the weight in it.

@@ -18,9 +18,10 @@ sequence parallelism):
 - Decoding keeps the KV cache sharded along the sequence (device i holds
   positions [i * S_max / D, (i + 1) * S_max / D) of every head) and attends
   through `flash_decode`, which merges the devices' partial attention; the
-  decode batch is sharded like the tokens above, or with
-  `decode_step(activations="replicated")` whole on every device (local
-  column-parallel matmuls, an all-reduce after each row-parallel one).
+  decode batch is sharded like the tokens above, or whole on every device
+  (local column-parallel matmuls, an all-reduce after each row-parallel one:
+  `decode_step`'s `activations`; "auto" takes this where the Lamport
+  exchange kernels run, `decode_plan`).
 
 A layer (pre-norm; RMSNorm; rotary embeddings; grouped-query attention;
 SwiGLU with gate and up in one matmul):
@@ -295,15 +296,17 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
             seq: int | None = None, impl: str = "auto", decode_impl: str | None = None,
             decode_batch: int | None = None, cache_len: int | None = None,
             attention: str | None = None,
-            decode_activations: str = "sharded") -> tuple[str, ...]:
+            decode_activations: str = "auto") -> tuple[str, ...]:
   """What each op of one layer (and the head) would run, without running it.
 
   The attention implementation; with `batch` and `seq`, the ops of a training
   or prefill step over batch x seq tokens; with `decode_batch` and
-  `cache_len`, those of a decode step (its `activations` as
-  `decode_activations`). Returns one line per op: the `dispatch.Choice`
-  (chosen impl, why earlier ones were rejected), or for a decode step's
-  matmuls over replicated activations, what runs instead.
+  `cache_len`, those of a decode step as `jitted` builds it (its
+  `activations` as `decode_activations`, resolved by `decode_plan` as for a
+  program compiled with XLA's dynamic-slice fusion off where the exchange
+  kernels are chosen, their state in the cache). Returns one line per op:
+  the `dispatch.Choice` (chosen impl, why earlier ones were rejected), or for
+  a decode step's matmuls over replicated activations, what runs instead.
   """
   _check_decode_activations(decode_activations)
   c, d = config, axis_size
@@ -330,8 +333,13 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
 
   choices = ops(batch * seq, "step") if batch is not None and seq is not None else []
   if decode_batch is not None and cache_len is not None:
-    if decode_activations == "replicated":
+    with platform.compiled_without_slice_fusion():
+      plan = decode_plan(c, axis_size=d, batch=decode_batch, impl=impl,
+                         activations=decode_activations)
       sites = decode_exchange_choices(c, axis_size=d, batch=decode_batch, impl=impl)
+    choices.append(("decode activations", f"{decode_activations!r} -> {plan.activations}"
+                                          f" ({plan.reason})"))
+    if plan.activations == "replicated":
 
       def local(k, n):
         x, w = s(decode_batch, k), s(k, n)
@@ -504,23 +512,81 @@ def _exchange_shapes(config, batch: int, axis_size: int) -> DecodeExchanges:
 
 
 def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "auto",
-                            axis_name=None) -> DecodeExchanges:
+                            axis_name=None, has_state: bool = True) -> DecodeExchanges:
   """Each exchange site's `dispatch.Choice` in a decode step of `batch`
   sequences over replicated activations, the cache holding the kernel's
-  state (`exchange_state`). o and down share the sums' state: their choice
-  is the first of down's and o's that is not the kernel, else down's."""
+  state (`exchange_state`; or not: `has_state`). o and down share the sums'
+  state: their choice is the first of down's and o's that is not the
+  kernel, else down's."""
   c, impl = config, exchange_impl_for(impl)
   s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
   summed, gathered = _exchange_shapes(c, batch, axis_size)
+  state = lambda shapes: shapes if has_state else None
   sums = [decode_collectives.explain_matmul_all_reduce(
-      s(batch, k), s(k, c.hidden), decode_collectives.matmul_state_shapes(*summed, axis_size),
+      s(batch, k), s(k, c.hidden),
+      state(decode_collectives.matmul_state_shapes(*summed, axis_size)),
       axis_size=axis_size, impl=impl, axis_name=axis_name)
       for k in (c.ffn // axis_size, c.q_heads // axis_size * c.head_dim)]
   return DecodeExchanges(
       summed=next((choice for choice in sums if choice.impl != "pallas"), sums[0]),
       gathered=decode_collectives.explain_all_gather(
-          s(*gathered), decode_collectives.state_shapes(*gathered, axis_size),
+          s(*gathered), state(decode_collectives.state_shapes(*gathered, axis_size)),
           axis_size=axis_size, impl=impl, axis_name=axis_name))
+
+
+class DecodePlan(NamedTuple):
+  """How a decode step runs (`decode_plan`).
+
+  activations: "sharded" or "replicated" (`decode_step`'s `activations`).
+  kernel_sites: per exchange site (`DecodeExchanges`), whether it runs
+    through the Lamport kernel (then the cache holds `exchange_state`'s
+    buffers and the step's program is compiled with XLA's dynamic-slice
+    fusion off).
+  reason: why, in words (`explain`).
+  """
+  activations: str
+  kernel_sites: DecodeExchanges
+  reason: str
+
+  @property
+  def exchange_kernel(self) -> bool:
+    return any(self.kernel_sites)
+
+
+def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
+                activations: str = "auto", has_state: bool = True,
+                axis_name=None) -> DecodePlan:
+  """`decode_step`'s `activations` resolved for `batch` sequences over an
+  axis of `axis_size`, in the current trace context (the exchange kernels
+  run only where XLA's dynamic-slice fusion is off in the program:
+  `jitted` compiles the step so where they are chosen).
+
+  "replicated" takes the kernel at every site where it runs (the cache must
+  then hold its state); "auto" takes replicated activations where every
+  site takes the kernel, the cache holding its state (`has_state`; `jitted`
+  makes it), or where B does not split over D, else "sharded". Where `auto`
+  takes the kernels (`decode_collectives.MEASURED_AXIS_SIZES`, `_BYTES`),
+  the 70B-like step over replicated activations with them ran 1.12-1.26x
+  over BSP's at D = 4, 1.10-1.14x at D = 2, ahead of the step over sharded
+  activations (1.00-1.11x; 4 H200s, sessions 45-46, benchmarks/NOTES.md).
+  """
+  _check_decode_activations(activations)
+  if activations == "sharded":
+    return DecodePlan("sharded", DecodeExchanges(False, False), "requested")
+  choices = decode_exchange_choices(config, axis_size=axis_size, batch=batch, impl=impl,
+                                    axis_name=axis_name,
+                                    has_state=has_state or activations == "replicated")
+  sites = DecodeExchanges(*(choice.impl == "pallas" for choice in choices))
+  if activations == "replicated":
+    return DecodePlan("replicated", sites, "requested")
+  if all(sites):
+    return DecodePlan("replicated", sites, "every exchange through the Lamport kernels")
+  no_kernel = "; ".join(str(choice) for choice in choices if choice.impl != "pallas")
+  if batch % axis_size:
+    return DecodePlan("replicated", DecodeExchanges(False, False),
+                      f"B = {batch} does not split over D = {axis_size}; {no_kernel}")
+  return DecodePlan("sharded", DecodeExchanges(False, False),
+                    f"the exchange kernels do not all run: {no_kernel}")
 
 
 def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeExchanges:
@@ -779,20 +845,20 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
 
 
 # How a decode step's activations lie between sublayers (`decode_step`).
-DECODE_ACTIVATIONS = ("sharded", "replicated")
+DECODE_ACTIVATIONS = ("auto", "sharded", "replicated")
 
 
 def _check_decode_activations(activations: str) -> None:
   if activations not in DECODE_ACTIVATIONS:
     raise ValueError(
-        f"activations={activations!r}: expected 'sharded' (the decode batch split by tokens, the"
-        " matmuls through the collective ops) or 'replicated' (every row on every device, local"
-        " matmuls and one all-reduce per row-parallel matmul).")
+        f"activations={activations!r}: expected 'auto' (`decode_plan`), 'sharded' (the decode"
+        " batch split by tokens, the matmuls through the collective ops) or 'replicated' (every"
+        " row on every device, local matmuls and one all-reduce per row-parallel matmul).")
 
 
 def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, axis_name: str,
                 mesh=None, impl: str = "auto", decode_impl: str | None = None,
-                activations: str = "sharded"):
+                activations: str = "auto"):
   """One new token per sequence through the model and the KV cache.
 
   Args:
@@ -803,7 +869,9 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       sharded as `cache_specs`; every length must be < S_max.
     config, axis_name, mesh, impl: as for `loss`.
     decode_impl: `flash_decode`'s impl; None: `decode_impl_for(impl)`.
-    activations: how the batch's activations lie between sublayers.
+    activations: how the batch's activations lie between sublayers
+      ("auto": `decode_plan`'s choice, here with the cache's state or
+      without it; `explain` says which).
       "sharded": split by tokens, as in training and prefill (B / D rows per
       device): each layer's matmuls are `impl`'s all-gather matmuls and
       matmul + reduce-scatters, five exchanges per layer with the heads'
@@ -823,16 +891,14 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     stay in place, fails).
 
   Raises:
-    ValueError: as for `loss`; the exchange kernel chosen and cache.exchange
-      None.
+    ValueError: as for `loss`; the exchange kernel chosen (activations=
+      "replicated") and cache.exchange None.
   """
-  _check_decode_activations(activations)
-  replicated = activations == "replicated"
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]
-  kernel_sites = DecodeExchanges(*(
-      replicated and choice.impl == "pallas" for choice in decode_exchange_choices(
-          config, axis_size=d, batch=b, impl=impl, axis_name=axis_name)))
+  plan = decode_plan(config, axis_size=d, batch=b, impl=impl, activations=activations,
+                     has_state=cache.exchange is not None, axis_name=axis_name)
+  replicated, kernel_sites = plan.activations == "replicated", plan.kernel_sites
   if any(kernel_sites) and cache.exchange is None:
     raise ValueError(
         "cache.exchange is None, but this decode step exchanges through the Lamport kernel, which"
@@ -924,18 +990,20 @@ class Jitted(NamedTuple):
 def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = "auto",
            decode_impl: str | None = None, attention: str | None = None,
            learning_rate: float = 1e-3, cache_len: int | None = None,
-           decode_activations: str = "sharded", donate: bool = True) -> Jitted:
+           decode_activations: str = "auto", donate: bool = True) -> Jitted:
   """`train_step(params, tokens, labels)`, `prefill(params, tokens, lengths)`
   and `decode_step(params, tokens, cache)`, jitted with these settings.
 
   With `donate`, train_step donates params and decode_step the cache (updated
-  in place; with replicated activations and impl="pallas" the cache must
-  carry `exchange_state`'s buffers, which only donation keeps in place, and
-  decode_step compiles its program with XLA's dynamic-slice fusion off, as
-  those kernels need, without XLA_FLAGS: call it outside jit,
-  `pallas_kernels.platform.jit_without_slice_fusion`);
-  prefill needs `cache_len`; `decode_activations` is decode_step's
-  `activations`.
+  in place); prefill needs `cache_len`; `decode_activations` is decode_step's
+  `activations`, resolved per batch size by `decode_plan` (`explain` says
+  how). Where the plan takes the Lamport exchange kernels, decode_step
+  compiles its program with XLA's dynamic-slice fusion off, as they need,
+  while the other steps keep it (no XLA_FLAGS needed), and on its first call
+  puts `exchange_state`'s buffers into a cache without them (donation keeps
+  them in place from step to step). Called inside another jit, decode_step
+  is traced there and takes the kernels only where that program has the
+  fusion off and the cache holds their state.
   """
   _check_decode_activations(decode_activations)
   common = dict(config=config, axis_name=axis_name, mesh=mesh, impl=impl)
@@ -943,11 +1011,31 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
                                     attention=attention, **common),
                   donate_argnums=(0,) if donate else ())
   pre = jax.jit(functools.partial(prefill, cache_len=cache_len, attention=attention, **common))
-  dec_fn = functools.partial(decode_step, decode_impl=decode_impl,
-                             activations=decode_activations, **common)
-  # The Lamport kernels need XLA's dynamic-slice fusion off: in the decode
-  # step's program only, so that the other steps keep it.
-  lamport = decode_activations == "replicated" and exchange_impl_for(impl) == "pallas"
-  dec = (platform.jit_without_slice_fusion if lamport else jax.jit)(
-      dec_fn, donate_argnums=(2,) if donate else ())
-  return Jitted(train, pre, dec)
+  donate_cache = dict(donate_argnums=(2,) if donate else ())
+
+  @functools.cache
+  def program(activations: str, own: bool):
+    """The decode step over `activations`, jitted (`own`: in a program of its
+    own without XLA's dynamic-slice fusion)."""
+    fn = functools.partial(decode_step, decode_impl=decode_impl, activations=activations,
+                           **common)
+    return (platform.jit_without_slice_fusion if own else jax.jit)(fn, **donate_cache)
+
+  @functools.cache
+  def plan(axis_size: int, batch: int) -> DecodePlan:
+    with platform.compiled_without_slice_fusion():
+      return decode_plan(config, axis_size=axis_size, batch=batch, impl=impl,
+                         activations=decode_activations, axis_name=axis_name)
+
+  @functools.wraps(decode_step)
+  def decode(params, tokens, cache):
+    if isinstance(tokens, jax.core.Tracer):  # inside another jit: traced in its context
+      return program(decode_activations, False)(params, tokens, cache)
+    axis_size = sharded.resolve_mesh(mesh, axis_name, ())[0].shape[axis_name]
+    p = plan(axis_size, tokens.shape[0])
+    if p.exchange_kernel and cache.exchange is None:
+      cache = cache._replace(exchange=exchange_state(config, tokens.shape[0],
+                                                     axis_name=axis_name, mesh=mesh))
+    return program(p.activations, p.exchange_kernel)(params, tokens, cache)
+
+  return Jitted(train, pre, decode)

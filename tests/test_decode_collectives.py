@@ -94,8 +94,26 @@ def test_kernel_support_names_what_is_missing(monkeypatch):
       decode_collectives.Problem(4, 3, 5, jnp.dtype(jnp.bfloat16), True))
   assert "1 device" in decode_collectives._pallas_support(
       decode_collectives.Problem(1, 32, 8192, jnp.dtype(jnp.bfloat16), True))
-  assert "experimental" in decode_collectives._ALL_REDUCE.choose(
-      "auto", problem(True)).rejected[0][1]
+  assert decode_collectives._ALL_REDUCE.choose("auto", problem(True)).impl == "pallas"
+
+
+@pytest.mark.parametrize("axis_size, rows, cols, why", [
+    (8, 32, 8192, "not yet tested and timed at D = 8"),
+    (3, 32, 8192, "not yet tested and timed at D = 3"),
+    (4, 256, 8192, "(256 x 8192, 4194304 bytes) is larger than the 2097152 bytes timed")])
+def test_auto_takes_the_kernel_only_where_it_was_timed(axis_size, rows, cols, why, monkeypatch):
+  """`auto` takes the kernels at the axis and operand sizes timed on GPUs
+  (D = 2 and 4, up to 2 MiB operands); elsewhere XLA's collectives, saying
+  why, while impl="pallas" still runs them."""
+  monkeypatch.setattr(decode_collectives.platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=false")
+  problem = decode_collectives.Problem(axis_size, rows, cols, jnp.dtype(jnp.bfloat16), True)
+  for op in (decode_collectives._ALL_REDUCE, decode_collectives._ALL_GATHER):
+    choice = op.choose("auto", problem)
+    assert choice.impl == "xla" and why in choice.rejected[0][1], choice
+    assert op.choose("pallas", problem).impl == "pallas"
+  timed = decode_collectives.Problem(4, 128, 8192, jnp.dtype(jnp.bfloat16), True)
+  assert decode_collectives._ALL_REDUCE.choose("auto", timed).impl == "pallas"
 
 
 def test_a_state_that_does_not_fit_is_refused_by_name():

@@ -221,21 +221,87 @@ def test_train_step_is_an_sgd_step():
     _close(a, functools.reduce(lambda t, k: t[k.key], path, want), jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("impl, activations, own_program", [
-    ("pallas", "replicated", True), ("auto", "replicated", False), ("pallas", "sharded", False)])
-def test_only_the_lamport_decode_step_compiles_its_own_program(impl, activations, own_program):
-  """With replicated activations and impl="pallas" (the Lamport kernels),
-  `jitted`'s decode step is compiled with XLA's dynamic-slice fusion off in
-  its own program, so a call inside jit, which would drop that, raises; the
-  other decode steps are plain jitted functions."""
-  mesh, params, _, _ = _setup(2)
-  steps = transformer.jitted(CONFIG, axis_name=AXIS, mesh=mesh, impl=impl,
-                             decode_activations=activations)
-  assert hasattr(steps.decode_step, "lower") != own_program
-  if own_program:
-    cache = transformer.empty_cache(CONFIG, 1, 4, 16)
-    with pytest.raises(ValueError, match="decode_step compiles its own program"):
-      jax.jit(steps.decode_step)(params, np.zeros(4, np.int32), cache)
+def _fake_hopper(monkeypatch):
+  """The kernels' platform checks pass (tracing and dispatch only: nothing
+  lowers for a GPU)."""
+  from pallas_kernels import platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  return platform
+
+
+@pytest.mark.parametrize("d, batch, has_state, want, why", [
+    (4, 32, True, "replicated", "every exchange through the Lamport kernels"),
+    (2, 128, True, "replicated", "every exchange through the Lamport kernels"),
+    (4, 32, False, "sharded", "it needs the state of its persistent buffers"),
+    (8, 32, True, "sharded", "not yet tested and timed at D = 8"),
+    (4, 256, True, "sharded", "at most 128 rows")])
+def test_auto_decode_activations_follow_the_exchange_kernels(d, batch, has_state, want, why,
+                                                             monkeypatch):
+  """decode_plan's "auto": replicated activations where every exchange site
+  takes the Lamport kernel (a Hopper GPU, the program without XLA's
+  dynamic-slice fusion, the state in the cache, the sizes timed), else
+  sharded, saying why; `explain` shows the choice as `jitted` makes it."""
+  platform = _fake_hopper(monkeypatch)
+  config = transformer.MODELS["70b"]
+  with platform.compiled_without_slice_fusion():
+    plan = transformer.decode_plan(config, axis_size=d, batch=batch, has_state=has_state)
+  assert plan.activations == want and why in plan.reason, plan
+  assert plan.exchange_kernel == (want == "replicated")
+  # Outside such a program the kernels do not run: sharded activations.
+  assert transformer.decode_plan(config, axis_size=d, batch=batch).activations == "sharded"
+  if has_state:
+    lines = transformer.explain(config, axis_size=d, decode_batch=batch, cache_len=32768)
+    assert f"decode activations: 'auto' -> {want} (" in "\n".join(lines), lines
+    down = next(line for line in lines if line.startswith("decode down: "))
+    assert ("matmul_all_reduce: impl='auto' -> pallas" in down) == (want == "replicated"), down
+
+
+def test_auto_decode_activations_keep_a_batch_that_does_not_split_whole():
+  """Without the kernels, "auto" still takes replicated activations where B
+  does not split over D (sharded ones would refuse it)."""
+  plan = transformer.decode_plan(CONFIG, axis_size=4, batch=6)
+  assert plan.activations == "replicated" and not plan.exchange_kernel, plan
+  assert "B = 6 does not split over D = 4" in plan.reason
+  with pytest.raises(ValueError, match="activations='whole': expected 'auto'"):
+    transformer.decode_plan(CONFIG, axis_size=4, batch=6, activations="whole")
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
+def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, monkeypatch):
+  """Where the plan takes the Lamport kernels, `jitted`'s decode step
+  compiles the step with XLA's dynamic-slice fusion off
+  (`platform.jit_without_slice_fusion`) over replicated activations and
+  hands it a cache holding `exchange_state`'s buffers (made on the first
+  call); inside another jit it is traced there, where the fusion is on:
+  "auto" then takes sharded activations, "pallas" raises naming the fix."""
+  platform = _fake_hopper(monkeypatch)
+  built = []
+
+  def recorder(fn, **jit_kwargs):
+    built.append((fn.keywords["activations"], jit_kwargs))
+    return lambda params, tokens, cache: ("own program", cache)
+
+  monkeypatch.setattr(platform, "jit_without_slice_fusion", recorder)
+  config, d, batch = transformer.MODELS["tiny"], 2, 4
+  mesh, params, _, _ = _setup(d, config=config)
+  cache = transformer.empty_cache(config, LAYERS, batch, 16)
+  steps = transformer.jitted(config, axis_name=AXIS, mesh=mesh, impl=impl)
+  tokens = np.zeros(batch, np.int32)
+  with jax.set_mesh(mesh):
+    what, handed = steps.decode_step(params, tokens, cache)
+    assert what == "own program" and built == [("replicated", {"donate_argnums": (2,)})], built
+    assert handed.exchange is not None
+    assert handed.exchange.summed.counts.shape[0] == d
+    traced = lambda: jax.eval_shape(steps.decode_step, params, tokens, cache)
+    if impl == "auto":
+      logits, out = traced()
+      assert out.exchange is None and logits.shape == (batch, config.vocab)
+    else:
+      with pytest.raises(ValueError, match="XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false"):
+        traced()
+  assert len(built) == 1
 
 
 def _equations(jaxpr):
@@ -396,7 +462,7 @@ def test_replicated_decode_activations_are_explained_and_checked():
                             cache_len=32768, decode_activations="replicated", impl="xla_bsp")
   assert any("matmul_all_reduce: impl='xla' -> xla" in line for line in bsp), bsp
   assert any(line.startswith("decode attention: flash_decode:") for line in lines), lines
-  with pytest.raises(ValueError, match="activations='whole': expected 'sharded'"):
+  with pytest.raises(ValueError, match="activations='whole': expected 'auto'"):
     transformer.explain(CONFIG, axis_size=2, decode_activations="whole")
   cache = jax.eval_shape(lambda: transformer.empty_cache(CONFIG, LAYERS, 3, 8))
   params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), CONFIG, LAYERS))
@@ -406,7 +472,7 @@ def test_replicated_decode_activations_are_explained_and_checked():
     with pytest.raises(ValueError, match="activations='whole'"):
       step(activations="whole")
     with pytest.raises(ValueError, match="B a multiple of the axis size 2"):
-      step()
+      step(activations="sharded")
 
 
 def test_pallas_on_cpu_says_why_not():

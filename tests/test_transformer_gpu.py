@@ -81,7 +81,7 @@ def test_training_gradients_match_the_xla_model(d):
 
 
 @pytest.mark.parametrize("activations, decode_impl", [
-    ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas")])
+    ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas"), ("auto", "jitted")])
 @pytest.mark.parametrize("d", [2, 4])
 def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, monkeypatch):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
@@ -90,8 +90,10 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   activations given ("pallas" over replicated ones: the Lamport exchange
   kernels, their states in the cache, the step's program compiled with XLA's
   dynamic-slice fusion off as `transformer.jitted` does, and the column
-  matmuls through `decode_matmul`'s kernel at this model's narrow widths), the
-  XLA model's sharded."""
+  matmuls through `decode_matmul`'s kernel at this model's narrow widths;
+  "jitted": `transformer.jitted`'s decode step as a user gets it, whose
+  "auto" must take replicated activations and the Lamport kernels here, and
+  make their state), the XLA model's sharded."""
   monkeypatch.setattr(decode_matmul, "MIN_TILES", 1)
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
@@ -107,9 +109,15 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
           transformer.prefill, cache_len=cache_len, attention=attention, **common))(
               params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
       lamport = impl == "auto" and decode_impl == "pallas"
-      step = (platform.jit_without_slice_fusion if lamport else jax.jit)(functools.partial(
-          transformer.decode_step, **{**common, "impl": decode_impl if impl == "auto" else impl},
-          activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
+      if impl == "auto" and decode_impl == "jitted":
+        with platform.compiled_without_slice_fusion():
+          plan = transformer.decode_plan(CONFIG, axis_size=d, batch=8)
+        assert plan.activations == "replicated" and all(plan.kernel_sites), plan
+        step = transformer.jitted(CONFIG, axis_name=AXIS).decode_step
+      else:
+        step = (platform.jit_without_slice_fusion if lamport else jax.jit)(functools.partial(
+            transformer.decode_step, **{**common, "impl": decode_impl if impl == "auto" else impl},
+            activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
       if lamport:
         cache = cache._replace(exchange=transformer.exchange_state(CONFIG, 8, axis_name=AXIS))
       seen = [logits]
@@ -126,7 +134,7 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   np.testing.assert_array_equal(got_cache.lengths, lengths + steps)
   # Per layer per step, two all-reduces and one gather of the heads through
   # the kernels' states, or none.
-  if decode_impl == "pallas":
+  if decode_impl in ("pallas", "jitted"):
     for state, per_layer in zip(got_cache.exchange, (2, 1)):
       assert (np.asarray(state.counts) == per_layer * LAYERS * steps).all()
   else:
