@@ -7,7 +7,7 @@ Global-view wrappers (apply shard_map themselves):
 Which implementation runs: `explain_*` (see `jax_overlap.dispatch`).
 Transformer layers built on them: `jax_overlap.transformer`.
 A decode step's row-parallel matmul + all-reduce, small all-reduces and
-all-gathers (experimental kernels over persistent buffers):
+all-gathers (kernels over persistent buffers):
 `jax_overlap.decode_collectives`; its column-parallel matmul over replicated
 rows (an experimental kernel): `jax_overlap.decode_matmul`.
 """

@@ -1,5 +1,4 @@
-"""One-shot all-reduce and all-gather over persistent "Lamport" buffers
-(experimental).
+"""One-shot all-reduce and all-gather over persistent "Lamport" buffers.
 
 Each device stores its bf16 operand into a slot of every device's receive
 buffer and reads its own buffer's D slots until none holds the sentinel

@@ -1,4 +1,4 @@
-"""Matmul + all-reduce of decode-size rows over Lamport buffers (experimental).
+"""Matmul + all-reduce of decode-size rows over Lamport buffers.
 
 x [rows, K_shard] @ w [K_shard, N] on each device, summed over the axis on
 every device, in one kernel: block b computes the column tile [rows, b *
