@@ -561,8 +561,9 @@ def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
   run only where XLA's dynamic-slice fusion is off in the program:
   `jitted` compiles the step so where they are chosen).
 
-  "replicated" takes the kernel at every site where it runs (the cache must
-  then hold its state); "auto" takes replicated activations where every
+  "replicated" takes the kernel at every site where it runs (with impl=
+  "pallas" whether or not the cache holds its state: the step then refuses
+  a cache without it); "auto" takes replicated activations where every
   site takes the kernel, the cache holding its state (`has_state`; `jitted`
   makes it), or where B does not split over D, else "sharded". Where `auto`
   takes the kernels (`decode_collectives.MEASURED_AXIS_SIZES`, `_BYTES`),
@@ -575,7 +576,9 @@ def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
     return DecodePlan("sharded", DecodeExchanges(False, False), "requested")
   choices = decode_exchange_choices(config, axis_size=axis_size, batch=batch, impl=impl,
                                     axis_name=axis_name,
-                                    has_state=has_state or activations == "replicated")
+                                    has_state=has_state or (
+                                        activations == "replicated"
+                                        and exchange_impl_for(impl) == "pallas"))
   sites = DecodeExchanges(*(choice.impl == "pallas" for choice in choices))
   if activations == "replicated":
     return DecodePlan("replicated", sites, "requested")
@@ -891,8 +894,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     stay in place, fails).
 
   Raises:
-    ValueError: as for `loss`; the exchange kernel chosen (activations=
-      "replicated") and cache.exchange None.
+    ValueError: as for `loss`; the exchange kernel chosen (impl="pallas",
+      activations="replicated") and cache.exchange None.
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]
@@ -903,7 +906,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     raise ValueError(
         "cache.exchange is None, but this decode step exchanges through the Lamport kernel, which"
         " needs its persistent buffers: cache = cache._replace(exchange=transformer.exchange_state("
-        f"config, {b}, axis_name={axis_name!r})) before the first step (or impl='xla_bsp').")
+        f"config, {b}, axis_name={axis_name!r})) before the first step (`transformer.jitted`'s"
+        " decode step makes it), or impl='auto'.")
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
     raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"
@@ -1027,8 +1031,8 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
       return decode_plan(config, axis_size=axis_size, batch=batch, impl=impl,
                          activations=decode_activations, axis_name=axis_name)
 
-  @functools.wraps(decode_step)
   def decode(params, tokens, cache):
+    """`decode_step(params, tokens, cache)` with `jitted`'s settings."""
     if isinstance(tokens, jax.core.Tracer):  # inside another jit: traced in its context
       return program(decode_activations, False)(params, tokens, cache)
     axis_size = sharded.resolve_mesh(mesh, axis_name, ())[0].shape[axis_name]

@@ -258,6 +258,28 @@ def test_auto_decode_activations_follow_the_exchange_kernels(d, batch, has_state
     assert ("matmul_all_reduce: impl='auto' -> pallas" in down) == (want == "replicated"), down
 
 
+@pytest.mark.parametrize("impl, kernel", [("auto", False), ("pallas", True)])
+def test_replicated_activations_without_a_state(impl, kernel, monkeypatch):
+  """activations="replicated" with the cache holding no exchange state:
+  `auto` takes XLA's collectives; impl="pallas" keeps the kernels (and the
+  step refuses the cache, naming the fix)."""
+  platform = _fake_hopper(monkeypatch)
+  with platform.compiled_without_slice_fusion():
+    plan = transformer.decode_plan(transformer.MODELS["70b"], axis_size=4, batch=32, impl=impl,
+                                   activations="replicated", has_state=False)
+  assert plan.activations == "replicated" and plan.exchange_kernel == kernel, plan
+  if kernel:
+    config = transformer.MODELS["tiny"]
+    mesh = testkit.mesh_1d(2)
+    params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config, LAYERS))
+    cache = jax.eval_shape(lambda: transformer.empty_cache(config, LAYERS, 4, 16))
+    step = functools.partial(transformer.decode_step, config=config, axis_name=AXIS, impl=impl,
+                             activations="replicated")
+    with jax.set_mesh(mesh), platform.compiled_without_slice_fusion(), pytest.raises(
+        ValueError, match=r"cache.exchange is None.*transformer.exchange_state\(config, 4"):
+      jax.eval_shape(step, params, jnp.zeros(4, jnp.int32), cache)
+
+
 def test_auto_decode_activations_keep_a_batch_that_does_not_split_whole():
   """Without the kernels, "auto" still takes replicated activations where B
   does not split over D (sharded ones would refuse it)."""
