@@ -1005,7 +1005,9 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
   compiles its program with XLA's dynamic-slice fusion off, as they need,
   while the other steps keep it (no XLA_FLAGS needed), and on its first call
   puts `exchange_state`'s buffers into a cache without them (donation keeps
-  them in place from step to step). Called inside another jit, decode_step
+  them in place from step to step; with donate=False "auto" does not take
+  them, and impl="pallas" with replicated activations is refused). Called
+  inside another jit, decode_step
   is traced there and takes the kernels only where that program has the
   fusion off and the cache holds their state.
   """
@@ -1027,9 +1029,16 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
 
   @functools.cache
   def plan(axis_size: int, batch: int) -> DecodePlan:
+    # The kernels' state stays in place only in a donated cache.
     with platform.compiled_without_slice_fusion():
-      return decode_plan(config, axis_size=axis_size, batch=batch, impl=impl,
-                         activations=decode_activations, axis_name=axis_name)
+      p = decode_plan(config, axis_size=axis_size, batch=batch, impl=impl,
+                      activations=decode_activations, has_state=donate, axis_name=axis_name)
+    if p.exchange_kernel and not donate:
+      raise ValueError(
+          "donate=False, but this decode step exchanges through the Lamport kernels, whose"
+          " buffers in the cache must stay in place from step to step (an undonated cache is"
+          " copied, and the kernels trap): donate=True, or impl='auto'.")
+    return p
 
   def decode(params, tokens, cache):
     """`decode_step(params, tokens, cache)` with `jitted`'s settings."""

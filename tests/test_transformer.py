@@ -326,6 +326,38 @@ def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, monkeypatc
   assert len(built) == 1
 
 
+@pytest.mark.parametrize("impl, activations", [("auto", "auto"), ("auto", "replicated"),
+                                               ("pallas", "replicated")])
+def test_jitted_decode_step_without_donation_keeps_off_the_lamport_kernels(
+    impl, activations, monkeypatch):
+  """The kernels' buffers stay in place only in a donated cache: with
+  donate=False `jitted`'s decode step takes XLA's exchanges under "auto"
+  (replicated activations as asked, else sharded), and refuses
+  impl="pallas" over replicated activations, naming the fix."""
+  _fake_hopper(monkeypatch)
+  traced = []
+
+  def step(params, tokens, cache, **kwargs):
+    traced.append((kwargs["activations"], cache.exchange))
+    return tokens, cache.lengths
+
+  monkeypatch.setattr(transformer, "decode_step", step)
+  config, d, batch = transformer.MODELS["tiny"], 2, 4
+  mesh, params, _, _ = _setup(d, config=config)
+  cache = transformer.empty_cache(config, LAYERS, batch, 16)
+  steps = transformer.jitted(config, axis_name=AXIS, mesh=mesh, impl=impl,
+                             decode_activations=activations, donate=False)
+  with jax.set_mesh(mesh):
+    if impl == "pallas":
+      with pytest.raises(ValueError, match="donate=False, but .* Lamport kernels.*donate=True"):
+        steps.decode_step(params, np.zeros(batch, np.int32), cache)
+      assert not traced
+    else:
+      steps.decode_step(params, np.zeros(batch, np.int32), cache)
+      want = "sharded" if activations == "auto" else "replicated"
+      assert traced == [(want, None)], traced
+
+
 def _equations(jaxpr):
   """Every equation in `jaxpr` and the jaxprs nested in its equations, in order."""
   for eqn in jaxpr.eqns:
