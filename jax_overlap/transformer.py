@@ -565,31 +565,38 @@ def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
   "pallas" whether or not the cache holds its state: the step then refuses
   a cache without it); "auto" takes replicated activations where every
   site takes the kernel, the cache holding its state (`has_state`; `jitted`
-  makes it), or where B does not split over D, else "sharded". Where `auto`
+  makes it), or where B does not split over D, else "sharded" (also with
+  impl="pallas" where the exchange kernels cannot run: the collective
+  matmuls' kernels then). Where `auto`
   takes the kernels (`decode_collectives.MEASURED_AXIS_SIZES`, `_BYTES`),
   the 70B-like step over replicated activations with them ran 1.12-1.26x
   over BSP's at D = 4, 1.10-1.14x at D = 2, ahead of the step over sharded
   activations (1.00-1.11x; 4 H200s, sessions 45-46, benchmarks/NOTES.md).
   """
   _check_decode_activations(activations)
+  none = DecodeExchanges(False, False)
   if activations == "sharded":
-    return DecodePlan("sharded", DecodeExchanges(False, False), "requested")
-  choices = decode_exchange_choices(config, axis_size=axis_size, batch=batch, impl=impl,
-                                    axis_name=axis_name,
-                                    has_state=has_state or (
-                                        activations == "replicated"
-                                        and exchange_impl_for(impl) == "pallas"))
-  sites = DecodeExchanges(*(choice.impl == "pallas" for choice in choices))
+    return DecodePlan("sharded", none, "requested")
+  choose = functools.partial(decode_exchange_choices, config, axis_size=axis_size, batch=batch,
+                             impl=impl, axis_name=axis_name)
   if activations == "replicated":
-    return DecodePlan("replicated", sites, "requested")
+    choices = choose(has_state=has_state or exchange_impl_for(impl) == "pallas")
+    return DecodePlan("replicated", DecodeExchanges(*(c.impl == "pallas" for c in choices)),
+                      "requested")
+  try:
+    choices = choose(has_state=has_state)
+  except ValueError as e:  # impl="pallas", and the exchange kernels cannot run here
+    if batch % axis_size:
+      raise
+    return DecodePlan("sharded", none, f"the exchange kernels do not run here: {e}")
+  sites = DecodeExchanges(*(choice.impl == "pallas" for choice in choices))
   if all(sites):
     return DecodePlan("replicated", sites, "every exchange through the Lamport kernels")
   no_kernel = "; ".join(str(choice) for choice in choices if choice.impl != "pallas")
   if batch % axis_size:
-    return DecodePlan("replicated", DecodeExchanges(False, False),
+    return DecodePlan("replicated", none,
                       f"B = {batch} does not split over D = {axis_size}; {no_kernel}")
-  return DecodePlan("sharded", DecodeExchanges(False, False),
-                    f"the exchange kernels do not all run: {no_kernel}")
+  return DecodePlan("sharded", none, f"the exchange kernels do not all run: {no_kernel}")
 
 
 def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeExchanges:

@@ -280,6 +280,21 @@ def test_replicated_activations_without_a_state(impl, kernel, monkeypatch):
       jax.eval_shape(step, params, jnp.zeros(4, jnp.int32), cache)
 
 
+def test_auto_decode_activations_with_impl_pallas(monkeypatch):
+  """impl="pallas" under "auto" activations: the Lamport kernels where they
+  run (a program without the fusion, the state given), else sharded
+  activations through the collective matmul kernels, not an error."""
+  platform = _fake_hopper(monkeypatch)
+  plan = functools.partial(transformer.decode_plan, transformer.MODELS["70b"], axis_size=4,
+                           batch=32, impl="pallas")
+  with platform.compiled_without_slice_fusion():
+    assert plan().activations == "replicated" and all(plan().kernel_sites)
+    unstated = plan(has_state=False)
+  assert unstated.activations == "sharded" and "it needs the state" in unstated.reason, unstated
+  fused_on = plan()
+  assert fused_on.activations == "sharded" and "dynamic-slice fusion" in fused_on.reason, fused_on
+
+
 def test_auto_decode_activations_keep_a_batch_that_does_not_split_whole():
   """Without the kernels, "auto" still takes replicated activations where B
   does not split over D (sharded ones would refuse it)."""
@@ -297,7 +312,8 @@ def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, monkeypatc
   (`platform.jit_without_slice_fusion`) over replicated activations and
   hands it a cache holding `exchange_state`'s buffers (made on the first
   call); inside another jit it is traced there, where the fusion is on:
-  "auto" then takes sharded activations, "pallas" raises naming the fix."""
+  both then take sharded activations ("pallas" through the collective
+  matmul kernels, which refuse this model's 2 rows per device by name)."""
   platform = _fake_hopper(monkeypatch)
   built = []
 
@@ -321,7 +337,7 @@ def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, monkeypatc
       logits, out = traced()
       assert out.exchange is None and logits.shape == (batch, config.vocab)
     else:
-      with pytest.raises(ValueError, match="XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false"):
+      with pytest.raises(ValueError, match="impl='pallas' cannot run this all_gather_matmul"):
         traced()
   assert len(built) == 1
 
