@@ -527,8 +527,7 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   info["decode_activations"] = plan.activations
   if plan.exchange_kernel:
     v = dataclasses.replace(v, compiler_options=tuple(
-        {**dict(v.compiler_options), **dict(_NO_SLICE_FUSION)}.items()))
-    compile_ = lambda fn, *args: _compile(fn, v, *args)
+        {**dict(v.compiler_options), **dict(_NO_SLICE_FUSION)}.items()))  # compile_ sees it
     with v.tracing():
       exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
     cache_abstract = cache_abstract._replace(exchange=jax.tree.map(
