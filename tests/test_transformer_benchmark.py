@@ -46,7 +46,7 @@ def test_a_quick_run_records_every_step_and_variant(quick_run):
 def test_the_readme_table_comes_from_the_json(quick_run):
   section = model_table.markdown([quick_run])
   assert section.startswith("**8 x cpu** (`cpux8_transformer.json`")
-  assert "| tiny | 2 | decode | 8 x 1K |" in section
+  assert "| tiny | 2 | decode, sharded | 8 x 1K |" in section  # the fused step's activations
   readme = f"intro\n{model_table.BEGIN}\nold figures\n{model_table.END}\nrest\n"
   assert model_table.replace_section(readme, section) == (
       f"intro\n{model_table.BEGIN}\n{section}\n{model_table.END}\nrest\n")
