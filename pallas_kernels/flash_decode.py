@@ -150,6 +150,15 @@ class FlashDecodeConfig:
       (an empty partial where one share holds the whole pair); needs
       splits = 2. Experimental: interpreter- and lowering-tested, not yet run
       on GPUs.
+    owned_heads: each device's output is its own Hq / D query heads (device
+      i: heads [i Hq / D, (i + 1) Hq / D), the groups of its Hkv / D KV
+      heads; Hkv a multiple of D), as a tensor-parallel model's next matmul
+      takes them: an item's partial goes to the device that owns its group
+      only, and each device merges only its own groups. The bytes a device
+      sends and receives stay (D - 1) / D of its partials at any D, where
+      delivering every group to every device moves D - 1 times its partials
+      each way. Not with `stream`. Experimental: interpreter- and
+      lowering-tested, not yet run on GPUs.
   """
   block_kv: int = 128
   splits: int = 1
@@ -160,6 +169,7 @@ class FlashDecodeConfig:
   one_fence: bool = True
   last_step_mask: bool = False
   stream: bool = False
+  owned_heads: bool = False
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
@@ -244,6 +254,8 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
     return f"bad config {config}: block_kv % 64 == 0, splits >= 1, stages >= 2."
   if config.stream and config.splits != 2:
     return f"config.stream needs splits = 2 (a pair's two pieces), got {config.splits}."
+  if config.stream and config.owned_heads:
+    return "config.owned_heads does not run with config.stream."
   if head_dim % config.combine_cols or config.combine_cols % 16:
     return f"bad config {config}: combine_cols must divide Dh = {head_dim} and be a multiple of 16."
   if s_shard % (config.block_kv * config.splits):
@@ -263,10 +275,10 @@ _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet run on GPUs there), or None."""
-  for name in ("last_step_mask", "stream"):
+  for name in ("last_step_mask", "stream", "owned_heads"):
     if getattr(config, name):
       return (f"config.{name} is interpreter- and lowering-tested, not yet run on GPUs"
-              " (benchmarks/NOTES.md, session 45).")
+              " (benchmarks/NOTES.md, sessions 45-46).")
   if config.merge_all and axis_size not in _MERGE_ALL_GPU_TESTED_AXIS_SIZES:
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
@@ -284,6 +296,11 @@ class Received:
       kernel computes them).
     lse: [D * splits, R, LSE_COLS] float32, likewise.
     index: the device whose output to compute, 0 <= index < D.
+
+  With `config.owned_heads` the kernel also returns what it would have
+  stored into each peer ("sent": o and lse of [D * splits, R, ...], slot
+  owner * splits + split; its own owner's slots unused), from which a test
+  builds every other device's `Received`.
   """
   o: jax.Array
   lse: jax.Array
@@ -330,8 +347,11 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
 
   Returns:
-    out [B, Hq, Dh] in q's dtype; with `received`, (out, recv_o, recv_lse),
-    whose slots me * splits + split hold this device's partials.
+    out [B, Hq, Dh] in q's dtype (with config.owned_heads [B, Hq / D, Dh],
+    this device's heads); with `received`, (out, recv_o, recv_lse), whose
+    slots me * splits + split hold this device's partials (with
+    config.owned_heads, of its own groups; then also sent_o, sent_lse:
+    `Received`).
   """
   b, hq, dh = q.shape
   _, s, hkv, _ = k.shape
@@ -344,11 +364,18 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   else:
     d = received.o.shape[0] // splits
   remote = exchange and d > 1
+  owned = config.owned_heads
+  if owned and hkv % d:
+    raise ValueError(f"config.owned_heads needs the KV heads (Hkv = {hkv}) to split over the"
+                     f" {d} devices: whole query groups per device.")
+  hkv_here = hkv // d if owned else hkv  # the KV heads whose groups this device merges
+  groups_here = b * hkv_here
+  sent = owned and not exchange  # the seam's record of the stores into peers
   chunk = s // splits
   partials = d * splits
-  rows = receive_rows(b, hq, hkv)
-  per_tile, tiles = merge_tiles(b, hq, hkv)
-  tail = b * hkv - (tiles - 1) * per_tile  # groups in the last merge tile
+  rows = receive_rows(b, heads * hkv_here, hkv_here)
+  per_tile, tiles = merge_tiles(b, heads * hkv_here, hkv_here)
+  tail = groups_here - (tiles - 1) * per_tile  # groups in the last merge tile
   col_chunks = dh // config.combine_cols
   items = b * hkv * splits
   stream_shares_n = min(num_sms, b * hkv)  # config.stream's shares of phase 1
@@ -371,10 +398,18 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         peers_in = entry.Entry(axis_name, d, me)
         pl.when(lax.axis_index("sm") == grid - 1)(peers_in.porter)
     else:
-      given_o, given_lse, out_ref, recv_o, recv_lse = refs
+      given_o, given_lse, out_ref, recv_o, recv_lse, *sent_refs = refs
       me = received.index
     sm = lax.axis_index("sm")
     peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
+
+    def destination(bh):
+      """(the device that merges group bh, the group's index there): with
+      config.owned_heads its KV head's owner, else every device (None)."""
+      if not owned:
+        return None, bh
+      batch, head = bh // hkv, lax.rem(bh, hkv)
+      return head // hkv_here, batch * hkv_here + lax.rem(head, hkv_here)
 
     @jax.named_scope("deliver")
     def deliver(o_smem, lse_smem, window, bh, slot, first, prev):
@@ -386,14 +421,22 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       stores these rows into the peers, whose semaphores `publish` raises at
       the block's next delivery or after its last: none waits for a remote
       round trip before the next one starts, and the local signal does not
-      wait for the remote stores. The seam: after the own rows, the peers'
-      rows from `received`."""
-      src, dst = pl.ds(window, group), pl.ds(bh * group, group)
+      wait for the remote stores. With config.owned_heads the rows go to the
+      group's owner only (here, or one peer). The seam: after the own rows,
+      the peers' rows from `received` (with owned_heads, the rows for a peer
+      into `sent` instead)."""
+      owner, local = destination(bh)
+      src, dst = pl.ds(window, group), pl.ds(local * group, group)
 
-      def store(o_to, lse_to):
-        plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
-        plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
+      def store(o_to, lse_to, at=slot):
+        plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[at, dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[at, dst])
 
+      if owned:
+        deliver_owned(owner, local, store, slot, first, prev)
+        if not exchange:
+          pl.when(owner == me)(lambda: relay_all(slot, dst, o_smem, lse_smem))
+        return
       store(recv_o, recv_lse)
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if exchange:
@@ -407,7 +450,38 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                   plgpu.remote_ref(recv_lse, {axis_name: dev}))
         return
 
-      def relay(peer, loaded):  # the seam: what peer `peer` would have stored
+      relay_all(slot, dst, o_smem, lse_smem)
+
+    def deliver_owned(owner, local, store, slot, first, prev):
+      """`deliver` with config.owned_heads: the rows into the owner's
+      receive buffers; its semaphore raised at once here, on a peer by the
+      block's next delivery or `publish`. The seam: a peer's rows into
+      `sent`."""
+      mine = owner == me
+      pl.when(mine)(lambda: store(recv_o, recv_lse))
+      if not exchange:
+        sent_o, sent_lse = sent_refs
+        pl.when(jnp.logical_not(mine))(
+            lambda: store(sent_o, sent_lse, owner * splits + lax.rem(slot, splits)))
+      # The local rows, and the block's earlier stores into a peer, have landed.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      if not exchange:
+        return
+      pl.when(mine)(lambda: signals.signal(ready.at[local // per_tile, me]))
+      if remote:
+        pl.when(jnp.logical_not(first))(lambda: publish(prev))
+        with jax.named_scope("wait_entry"):  # before the block's first store into a peer
+          pl.when(first)(peers_in.wait)
+        # A TMA store's peer must be computable on the host: one branch per peer.
+        for dev in peers:
+          pl.when(owner == dev)(lambda dev=dev: store(
+              plgpu.remote_ref(recv_o, {axis_name: dev}),
+              plgpu.remote_ref(recv_lse, {axis_name: dev})))
+
+    def relay_all(slot, dst, o_smem, lse_smem):
+      """The seam: the rows `dst` of slot `slot`'s split that every peer would
+      have stored here, copied from `received` into the receive buffers."""
+      def relay(peer, loaded):
         peer_slot = peer * splits + lax.rem(slot, splits)
         plgpu.copy_gmem_to_smem(given_o.at[peer_slot, dst], o_smem.at[pl.ds(0, group)], loaded)
         plgpu.copy_gmem_to_smem(given_lse.at[peer_slot, dst], lse_smem.at[pl.ds(0, group)], loaded)
@@ -499,9 +573,14 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
 
     def publish(bh):
       """Raises group bh's merge-tile semaphore on every peer (with
-      config.one_fence behind one fence); the block's last stores of it there
-      have landed."""
-      sem = lambda dev: plgpu.remote_ref(ready.at[bh // per_tile, me], {axis_name: dev})
+      config.one_fence behind one fence; with config.owned_heads on its
+      owner, if a peer); the block's last stores of it there have landed."""
+      owner, local = destination(bh)
+      sem = lambda dev: plgpu.remote_ref(ready.at[local // per_tile, me], {axis_name: dev})
+      if owned:
+        for dev in peers:
+          pl.when(owner == dev)(lambda dev=dev: signals.signal(sem(dev), "sys"))
+        return
       if config.one_fence:
         signals.signal_each([sem(dev) for dev in peers], "sys")
         return
@@ -522,7 +601,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     def merge(item, out_smem):
       """Phase 2: merge tile x column chunk = item, from all its partials."""
       tile, col = item // col_chunks, lax.rem(item, col_chunks)
-      groups = jnp.minimum(per_tile, b * hkv - tile * per_tile)
+      groups = jnp.minimum(per_tile, groups_here - tile * per_tile)
       cols = config.combine_cols
       tile_rows = pl.ds(tile * per_tile * group, ROWS)
       tile_cols = pl.ds(col * cols, cols)
@@ -594,8 +673,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def store_output(tile, out_smem, tile_cols):
-      """The tile's groups' G rows of out [B * Hq, Dh]: one store when the
-      groups are unpadded (G = Gp, rows contiguous), else one per group."""
+      """The tile's groups' G rows of out [B * Hq, Dh] (with
+      config.owned_heads [B * Hq / D, Dh]): one store when the groups are
+      unpadded (G = Gp, rows contiguous), else one per group."""
       first_row = tile * per_tile * heads
       if heads == group:
         def store(n):  # the tile's first n groups
@@ -608,7 +688,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           pl.when(tile == tiles - 1)(lambda: store(tail))
         return
       for i in range(per_tile):
-        @pl.when(tile * per_tile + i < b * hkv)
+        @pl.when(tile * per_tile + i < groups_here)
         def _():
           plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * group, heads)],
                                   out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
@@ -689,20 +769,23 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     pl.run_scoped(phase2, plgpu.SMEM((ROWS, config.combine_cols), dtype))
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
-  out_types = (jax.ShapeDtypeStruct((b * hq, dh), dtype),
-               jax.ShapeDtypeStruct((partials, rows, dh), config.partial_dtype(dtype)),
-               jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
+  received_types = (jax.ShapeDtypeStruct((partials, rows, dh), config.partial_dtype(dtype)),
+                    jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
+  out_types = (jax.ShapeDtypeStruct((b * heads * hkv_here, dh), dtype), *received_types,
+               *(received_types if sent else ()))
   inputs = (q_rows, k, v) + (() if kv_lens is None else (kv_lens.astype(jnp.int32),))
   if not exchange:
     inputs += (received.o, received.lse)
-  out, recv_o, recv_lse = plgpu.kernel(
+  out, *buffers = plgpu.kernel(
       body, kernel_name=KERNEL_NAME, out_type=out_types, grid=(grid,), grid_names=("sm",),
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(skip_device_barrier=remote),
   )(*inputs)
-  out = out.reshape(b, hq, dh)
+  out = out.reshape(b, heads * hkv_here, dh)
   if exchange:
     # Every device merges the same partials in the same order: the output is
-    # replicated over the axis, and varies over the inputs' other axes.
-    return vma.mark_varying(out, vma.varying_axes(q, k, v, *([] if kv_lens is None else [kv_lens])) - {axis_name})
-  return out, recv_o, recv_lse
+    # replicated over the axis (with owned_heads each device's own heads:
+    # varying over it), and varies over the inputs' other axes.
+    axes = vma.varying_axes(q, k, v, *([] if kv_lens is None else [kv_lens]))
+    return vma.mark_varying(out, axes | {axis_name} if owned else axes - {axis_name})
+  return (out, *buffers)

@@ -151,6 +151,60 @@ def test_stream_shares_merge_to_the_float64_reference(case, num_sms, interpreter
   _check_merges(case, interpreter, num_sms)
 
 
+# config.owned_heads: (B, Hq, Hkv, Dh, S_shard, D, lens, dtype, config): GQA
+# with G = 4 and 8 (unpadded), G = 12 (padded to 16 rows), MHA (padded to 8),
+# 1-2 KV heads per device, merge tiles partly filled, splits 1-2, ragged and
+# zero lengths, no lengths, merge_all, D = 2 and 4.
+OWNED_CASES = [
+    (3, 16, 4, 64, 128, 2, (256, 1, 0), BF16, fd.FlashDecodeConfig(64, 2, 2, 32, owned_heads=True)),
+    (2, 32, 4, 128, 128, 4, (400, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 64, owned_heads=True)),
+    (5, 48, 4, 64, 128, 2, None, BF16, fd.FlashDecodeConfig(64, 2, 2, 16, owned_heads=True)),
+    (2, 4, 4, 64, 128, 4, (512, 300), BF16,
+     fd.FlashDecodeConfig(64, 2, 2, 32, merge_all=True, owned_heads=True)),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", OWNED_CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_D{c[5]}"
+                         f"{'_merge_all' if c[8].merge_all else ''}")
+def test_owned_heads_merge_each_devices_heads_to_the_float64_reference(case, interpreter):
+  """config.owned_heads: each device sends each group's partial to the
+  device owning its KV head only (the seam's `sent`), and merges only its
+  own groups into its Hq / D heads of the output."""
+  b, hq, hkv, dh, s, d, lens, dtype, config = case
+  splits, own_hkv = config.splits, hkv // d
+  rows = fd.receive_rows(b, hq // d, own_hkv)
+  shape = (d * splits, rows)
+  empty = (jnp.zeros(shape + (dh,), config.partial_dtype(dtype)),
+           jnp.full(shape + (fd.LSE_COLS,), -jnp.inf))
+  # Pass 1: what every device sends to every other.
+  sent = [_run(case, j, *empty, interpreter)[1][3:] for j in range(d)]
+  tol = 2e-2 if dtype == BF16 else 4e-3
+  for i in range(d):
+    given_o = jnp.concatenate([_own_slots(sent[j][0], i, splits) for j in range(d)])
+    given_lse = jnp.concatenate([_own_slots(sent[j][1], i, splits) for j in range(d)])
+    (q, k, v), (out, *_) = _run(case, i, given_o, given_lse, interpreter)
+    want = _reference(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                      np.asarray(v, np.float32), np.full(b, d * s) if lens is None
+                      else np.asarray(lens), 1 / math.sqrt(dh))
+    heads = slice(i * hq // d, (i + 1) * hq // d)
+    assert out.shape == (b, hq // d, dh) and out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), want[:, heads],
+                               atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
+
+
+def test_owned_heads_need_whole_kv_heads_per_device_and_no_stream():
+  config = fd.FlashDecodeConfig(64, 2, 2, 32, owned_heads=True)
+  q, kv = jnp.zeros((1, 6, 64), BF16), jnp.zeros((1, 128, 3, 64), BF16)
+  shape = (2 * 2, fd.receive_rows(1, 6, 3))
+  with pytest.raises(ValueError, match=r"config.owned_heads needs the KV heads \(Hkv = 3\) to"
+                     " split over the 2 devices"):
+    fd.flash_decode(q, kv, kv, None, scale=0.1, config=config, num_sms=4, received=fd.Received(
+        jnp.zeros(shape + (64,), BF16), jnp.zeros(shape + (fd.LSE_COLS,)), 0))
+  assert "does not run with config.stream" in fd.unsupported_reason(
+      2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 2, stream=True, owned_heads=True))
+
+
 def _check_merges(case, interpreter, num_sms=132):
   b, hq, hkv, dh, s, d, lens, dtype, config = case
   assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
@@ -242,7 +296,8 @@ def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
   f = jax.jit(jax.shard_map(
       lambda q, k, v, n: fd.flash_decode(q, k, v, n, axis_name="x", scale=0.1, config=config,
                                          num_sms=132),
-      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec), out_specs=q_spec))
+      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec),
+      out_specs=jax.P(None, "x") if config.owned_heads else q_spec))  # owned: each its heads
   sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt,
                                                      sharding=jax.NamedSharding(mesh, spec))
   kv = sds((b, s_total, hkv, dh), dtype, kv_spec)
@@ -252,17 +307,23 @@ def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
 
 
 @pytest.mark.parametrize("overrides", [dict(last_step_mask=True), dict(stream=True, splits=2),
-                                       dict(stream=True, splits=2, last_step_mask=True)],
+                                       dict(stream=True, splits=2, last_step_mask=True),
+                                       dict(owned_heads=True)],
                          ids=lambda o: "_".join(o))
 @pytest.mark.parametrize("d", [2, 4, 8])
 def test_experimental_phase1_configs_lower_for_cuda(d, overrides):
-  """The branch around the last step's mask, and stream-K shares (each
-  delivery publishing the previous one to the peers), lower for CUDA with
+  """The branch around the last step's mask, stream-K shares (each
+  delivery publishing the previous one to the peers), and the owned heads'
+  stores into one peer per group, lower for CUDA with
   the exchange (the model's decode shape per device at D = 4: b32, 64 / 8
   heads, 8192 positions)."""
   module = _cuda_module(d, BF16, 128, 64, 32, 8192 * d, **overrides)
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module
-  assert "red.release.gpu" in module and "fence.acq_rel.sys;" in module
+  # owned_heads: one peer per group, its semaphore raised by a system-scope
+  # release add; else every peer's behind one fence (one_fence).
+  peer_signal = ("red.release.sys.global.add.u32" if overrides.get("owned_heads")
+                 else "fence.acq_rel.sys;")
+  assert "red.release.gpu" in module and peer_signal in module
 
 
 @pytest.mark.parametrize("d", [2, 4])
