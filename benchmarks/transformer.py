@@ -71,6 +71,7 @@ from jax_overlap import decode_bsp
 from jax_overlap import decode_collectives
 from jax_overlap import decode_matmul
 from jax_overlap import dispatch
+from jax_overlap.flash_decode import owned_heads_kernel
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import flash_decode as fd_kernel
@@ -98,7 +99,8 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in 
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused (`auto`, the decode step's"
     " activations by `transformer.decode_plan`), bsp, fused_sharded (fused, the decode step over"
-    " sharded activations), fused_entry (fused with the matmul"
+    " sharded activations), fused_owned_heads (fused, the decode kernel sending each group's"
+    " partials to its owner only), fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
@@ -206,8 +208,9 @@ class Variant:
   (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
   whether its matmul sums run unfused (`decode_collectives.
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
-  (`decode_matmul.xla_only`), and XLA compile options ((name, value)
-  pairs)."""
+  (`decode_matmul.xla_only`), whether the decode kernel sends each
+  group's partials to its owner only (`flash_decode.owned_heads_kernel`),
+  and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
   decode_impl: str | None
@@ -216,6 +219,7 @@ class Variant:
   decode_activations: str = "auto"
   unfused_sums: bool = False
   xla_columns: bool = False
+  owned_heads: bool = False
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
@@ -228,7 +232,7 @@ class Variant:
     no_fusion = dict(self.compiler_options).get(_NO_SLICE_FUSION[0][0]) is False
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
         self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
-            decode_matmul.xla_only(self.xla_columns)), (
+            decode_matmul.xla_only(self.xla_columns)), owned_heads_kernel(self.owned_heads), (
             platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
       yield
 
@@ -239,7 +243,8 @@ def variants() -> tuple[Variant, ...]:
   compiles it), bsp (the XLA paths, flash_decode on its best BSP pipeline,
   the decode step over sharded activations), fused_sharded (fused with the
   decode step over sharded activations: `auto`'s before session 46),
-  fused_entry (fused, the kernels meeting
+  fused_owned_heads (fused with the decode kernel's owned_heads: each
+  group's partials to the device that owns its heads only), fused_entry (fused, the kernels meeting
   inside), fused_kernels (fused, `auto` taking the kernels wherever they
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
@@ -254,6 +259,7 @@ def variants() -> tuple[Variant, ...]:
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode, decode_activations="sharded"),
       Variant("fused_sharded", "auto", None, decode_activations="sharded"),
+      Variant("fused_owned_heads", "auto", None, owned_heads=True),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),

@@ -3,12 +3,17 @@
 One decode step of attention over a KV cache that is sharded along the
 sequence across the devices of an axis: every device attends over its own
 slice, then the partial results are merged exactly with the log-sum-exp rule,
-so every device ends with the full attention output.
+so every device ends with the full attention output (or, `heads="own"`, with
+its own heads of it, as a tensor-parallel layer's output projection takes
+them).
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,6 +27,8 @@ from pallas_kernels import platform
 
 OP = "flash_decode"
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# What each device returns: every query head, or its own (`flash_decode`).
+HEADS = ("all", "own")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,21 +42,50 @@ class Problem:
   s_shard: int
   dtype: np.dtype
   config: object | None
+  heads: str = "all"
   # Why the kernels cannot reach their peers in this job, or None:
   # `platform.peer_access_reason`.
   process_reason: str | None = None
 
 
+_OWNED_HEADS = contextvars.ContextVar("owned_heads_kernel", default=False)
+
+
+@contextlib.contextmanager
+def owned_heads_kernel(enabled: bool = True):
+  """Inside the block (trace time), a call with heads="own" and no config
+  runs the kernel's heuristic config with `owned_heads` (each group's
+  partial sent to its owner only; experimental, not yet run on GPUs)
+  instead of computing every head and slicing. A measuring switch, as
+  `dispatch.kernels_wherever_they_run`: `benchmarks.transformer
+  --model_variants=fused_owned_heads` times the model's decode with it."""
+  token = _OWNED_HEADS.set(enabled)
+  try:
+    yield
+  finally:
+    _OWNED_HEADS.reset(token)
+
+
 def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
-  """The caller's config, else the kernel's heuristic."""
-  return p.config or kernel.default_config(
-      p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
-      num_sms=platform.num_sms())
+  """The caller's config, else the kernel's heuristic (with owned_heads
+  under `owned_heads_kernel` for heads="own")."""
+  if p.config:
+    return p.config
+  config = kernel.default_config(p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
+                                 num_sms=platform.num_sms())
+  if p.heads == "own" and _OWNED_HEADS.get():
+    config = dataclasses.replace(config, owned_heads=True)
+  return config
 
 
 def _pallas_support(p: Problem) -> str | None:
-  return platform.hopper_unavailable_reason() or p.process_reason or kernel.unsupported_reason(
-      p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard, p.dtype, _kernel_config(p))
+  if reason := platform.hopper_unavailable_reason() or p.process_reason:
+    return reason
+  config = _kernel_config(p)
+  if config.owned_heads and p.heads != "own":
+    return "config.owned_heads returns each device's own heads: call with heads='own'."
+  return kernel.unsupported_reason(p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard,
+                                   p.dtype, config)
 
 
 def _pallas_bsp_support(p: Problem) -> str | None:
@@ -105,7 +141,7 @@ _OP = dispatch.Op(OP, {
     "xla_bsp": dispatch.Impl()}, ("pallas", "pallas_bsp", "xla_bsp"))
 
 
-def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
+def _bind(q, k, v, kv_lens, axis_size: int, config, heads: str = "all") -> Problem:
   _validate.check_rank("q", q, 3, "[B, Hq, Dh]")
   _validate.check_rank("k", k, 4, "[B, S_shard, Hkv, Dh]")
   _validate.check_rank("v", v, 4, "[B, S_shard, Hkv, Dh]")
@@ -132,11 +168,17 @@ def _bind(q, k, v, kv_lens, axis_size: int, config) -> Problem:
           f"kv_lens has dtype {jnp.dtype(kv_lens.dtype).name}; it must be an"
           " integer type (int32). Cast it with kv_lens.astype(jnp.int32)."
       )
-  return Problem(axis_size, b, hq, hkv, dh, s_shard, jnp.dtype(q.dtype), config)
+  if heads not in HEADS:
+    raise ValueError(f"heads={heads!r}: expected 'all' (every query head on every device) or"
+                     " 'own' (each device's Hq / D heads).")
+  if heads == "own" and hkv % axis_size:
+    raise ValueError(f"heads='own' needs k's KV head count Hkv = {hkv} to be a multiple of the"
+                     f" axis size {axis_size} (whole query groups per device); use heads='all'.")
+  return Problem(axis_size, b, hq, hkv, dh, s_shard, jnp.dtype(q.dtype), config, heads)
 
 
 def explain(q, k, v, kv_lens=None, *, axis_size: int, impl: str = "auto",
-            config=None, axis_name=None) -> dispatch.Choice:
+            config=None, axis_name=None, heads: str = "all") -> dispatch.Choice:
   """The implementation `flash_decode` would use, without running it.
 
   Arguments may be arrays or `jax.ShapeDtypeStruct`s of the per-shard shapes.
@@ -146,12 +188,12 @@ def explain(q, k, v, kv_lens=None, *, axis_size: int, impl: str = "auto",
   With impl="auto" the `Choice` lists, for each impl tried before the chosen
   one ("pallas", then "pallas_bsp"), the sentence saying why it cannot run.
   """
-  problem = _bind(q, k, v, kv_lens, axis_size, config)
+  problem = _bind(q, k, v, kv_lens, axis_size, config, heads)
   return _OP.choose(impl, dispatch.in_processes(problem, axis_name))
 
 
 def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
-                 impl: str = "auto", config=None):
+                 impl: str = "auto", config=None, heads: str = "all"):
   """Exact decode attention over a sequence-sharded KV cache, inside `jax.shard_map`.
 
   Args:
@@ -182,10 +224,18 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       A named impl that cannot run raises. See `explain`.
     config: a `jax_overlap.FlashDecodeConfig` for impl "pallas"; None takes
       the kernel's heuristic (one wave of work items on this GPU).
+    heads: "all": every device returns every query head; "own": the device
+      at axis index i returns heads [i * Hq / D, (i + 1) * Hq / D), the
+      query groups of its Hkv / D KV heads (Hkv a multiple of D), as a
+      tensor-parallel layer's output projection takes them. Every impl
+      computes all heads and keeps its own, but the kernel with
+      `config.owned_heads` (experimental; `owned_heads_kernel`), which
+      sends each group's partials to its owner only.
 
   Returns:
-    [B, Hq, Dh] in q's dtype, softmax(q k^T * scale) v over all valid positions
-    of the whole cache, identical on every device (float32 accumulation).
+    [B, Hq, Dh] in q's dtype ([B, Hq / D, Dh] with heads="own"),
+    softmax(q k^T * scale) v over all valid positions of the whole cache,
+    identical on every device (float32 accumulation).
 
   Raises:
     ValueError: unbound axis_name, ranks, mismatched B/Dh/k-v shapes, Hq not a
@@ -193,16 +243,25 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
     TypeError: unsupported or mismatched dtypes, non-integer kv_lens.
   """
   problem = dispatch.in_processes(
-      _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config), axis_name)
+      _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config, heads), axis_name)
   choice = _OP.choose(impl, problem)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)
+
+  def mine(out):  # this device's heads of every head
+    if heads == "all":
+      return out
+    n = problem.q_heads // problem.axis_size
+    return lax.dynamic_slice_in_dim(out, lax.axis_index(axis_name) * n, n, axis=1)
+
   if choice.impl == "pallas":  # kv_lens=None: no lengths input, no masking
-    return kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
-                               config=_kernel_config(problem), num_sms=platform.num_sms())
+    config = _kernel_config(problem)
+    out = kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
+                              config=config, num_sms=platform.num_sms())
+    return out if config.owned_heads else mine(out)
   if choice.impl == "pallas_bsp":
-    return decode_bsp.flash_decode(q, k, v, None if kv_lens is None else kv_lens.astype(jnp.int32),
-                                   scale, axis_name)
+    return mine(decode_bsp.flash_decode(
+        q, k, v, None if kv_lens is None else kv_lens.astype(jnp.int32), scale, axis_name))
   if kv_lens is None:
     kv_lens = jnp.full((problem.batch,), problem.axis_size * problem.s_shard, jnp.int32)
-  return xla_paths.flash_decode_bsp(q, k, v, kv_lens.astype(jnp.int32), scale, axis_name)
+  return mine(xla_paths.flash_decode_bsp(q, k, v, kv_lens.astype(jnp.int32), scale, axis_name))

@@ -356,7 +356,7 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
                                                    c.head_dim),
         s(decode_batch, cache_len // d, c.kv_heads, c.head_dim),
         jax.ShapeDtypeStruct((decode_batch,), jnp.int32), axis_size=d,
-        impl=decode_impl_for(impl, decode_impl))))
+        impl=decode_impl_for(impl, decode_impl), heads="own")))
   return tuple(lines + [f"{what}: {choice}" for what, choice in choices])
 
 
@@ -952,10 +952,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       # The cache holds every head of its positions (in place, when donated).
       k_cache = k_cache.at[batch, slot].set(k, mode="drop")
       v_cache = v_cache.at[batch, slot].set(v, mode="drop")
-      o = flash_decode(q, k_cache, v_cache, axis_name=axis_name,
-                       kv_lens=lengths + 1, impl=ops.decode_impl)
-      heads = c.q_heads // d
-      mine = lax.dynamic_slice_in_dim(o, me * heads, heads, 1)  # this device's heads
+      mine = flash_decode(q, k_cache, v_cache, axis_name=axis_name, kv_lens=lengths + 1,
+                          impl=ops.decode_impl, heads="own")  # this device's heads
       x = x + layer_ops.row(mine.reshape(b, -1), p["w_o"])
       return _mlp(x, p, layer_ops), k_cache, v_cache
 

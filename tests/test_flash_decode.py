@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from jax_overlap import decode_bsp
+from jax_overlap.flash_decode import owned_heads_kernel
+from pallas_kernels import platform
 import testkit
 import reference
 from testkit import AXIS
@@ -58,7 +60,7 @@ def _inputs(d, hq, hkv, dh, s_shard, dtype, *key):
 
 def _per_shard(mesh, q, k, v, kv_lens, **kwargs):
   """Runs the per-shard op in shard_map; returns every device's output,
-  stacked: [D, B, Hq, Dh]."""
+  stacked: [D, B, Hq, Dh] ([D, B, Hq / D, Dh] with heads="own")."""
   d = mesh.shape[AXIS]
   kv_spec = P(None, AXIS, None, None)
   args = [testkit.put(mesh, q, P()), testkit.put(mesh, k, kv_spec),
@@ -75,7 +77,7 @@ def _per_shard(mesh, q, k, v, kv_lens, **kwargs):
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=P(AXIS)))
   out = f(*args)
   assert out.dtype == q.dtype
-  return np.asarray(out).reshape(d, *q.shape)
+  return np.asarray(out).reshape(d, q.shape[0], -1, q.shape[2])
 
 
 def _check_every_device(outs, expected, dtype):
@@ -94,6 +96,52 @@ def test_per_shard_ragged_lengths(case, impl):
   outs = _per_shard(testkit.mesh_1d(d), q, k, v, lens, impl=impl)
   _check_every_device(outs, reference.flash_decode(q, k, v, lens), dtype)
   np.testing.assert_array_equal(outs[:, lens == 0], 0.0, err_msg="length-0 sequence")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] % c[0] == 0], ids=_case_id)
+def test_per_shard_own_heads(case, impl):
+  """heads="own": device i returns heads [i Hq / D, (i + 1) Hq / D) of the
+  attention output, ragged lengths included."""
+  d, hq, _, _, s_shard, dtype = case
+  q, k, v = _inputs(*case, impl, "own")
+  lens = ragged_lens(d, s_shard)
+  outs = _per_shard(testkit.mesh_1d(d), q, k, v, lens, impl=impl, heads="own")
+  want = reference.flash_decode(q, k, v, lens)
+  n = hq // d
+  assert outs.shape[2] == n
+  for i, out in enumerate(outs):
+    reference.assert_close(out, want[:, i * n:(i + 1) * n], dtype, what=f"device {i}'s heads")
+
+
+def test_own_heads_are_checked_by_name():
+  q, kv = (jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"heads='own' needs k's KV head count Hkv = 2 to be a"
+                     " multiple of the axis size 4"):
+    jax_overlap.explain_flash_decode(q, kv, kv, axis_size=4, heads="own")
+  with pytest.raises(ValueError, match="heads='some': expected 'all'"):
+    jax_overlap.explain_flash_decode(q, kv, kv, axis_size=2, heads="some")
+
+
+def test_owned_heads_kernel_is_an_opt_in_switch(monkeypatch):
+  """The kernel's owned_heads config (experimental) runs only under
+  `owned_heads_kernel` with heads="own", or with a caller's config, which
+  then needs heads="own"."""
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H200")
+  q, kv = (jax.ShapeDtypeStruct((32, 64, 128), jnp.bfloat16),
+           jax.ShapeDtypeStruct((32, 8192, 8, 128), jnp.bfloat16))
+  explain = functools.partial(jax_overlap.explain_flash_decode, q, kv, kv, axis_size=4,
+                              impl="pallas")
+  assert explain(heads="own").caveat is None or "owned_heads" not in explain(heads="own").caveat
+  with owned_heads_kernel():
+    assert "config.owned_heads is interpreter- and lowering-tested" in explain(heads="own").caveat
+    assert explain().caveat is None or "owned_heads" not in explain().caveat  # heads="all"
+  owned = jax_overlap.FlashDecodeConfig(owned_heads=True)
+  with pytest.raises(ValueError, match="config.owned_heads returns each device's own heads"):
+    explain(config=owned)
 
 
 @pytest.mark.parametrize("case", CASES[1::2], ids=_case_id)
@@ -162,7 +210,7 @@ def _bsp_interpreted(mesh, q, k, v, kv_lens, scale=None):
                             check_vma=False))
   out = f(*args)
   assert out.dtype == q.dtype
-  return np.asarray(out).reshape(d, *q.shape)
+  return np.asarray(out).reshape(d, q.shape[0], -1, q.shape[2])
 
 
 @pytest.mark.parametrize("case", BSP_CASES, ids=_case_id)
