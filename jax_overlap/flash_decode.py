@@ -71,11 +71,10 @@ def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
   under `owned_heads_kernel` for heads="own")."""
   if p.config:
     return p.config
-  config = kernel.default_config(p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
-                                 num_sms=platform.num_sms())
-  if p.heads == "own" and _OWNED_HEADS.get():
-    config = dataclasses.replace(config, owned_heads=True)
-  return config
+  owned = p.heads == "own" and _OWNED_HEADS.get()
+  return kernel.default_config(p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
+                               num_sms=platform.num_sms(),
+                               owned_over=p.axis_size if owned else None)
 
 
 def _pallas_support(p: Problem) -> str | None:

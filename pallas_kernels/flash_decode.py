@@ -208,11 +208,13 @@ _MIN_SPLIT_STEPS = 8
 
 
 def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_dim: int,
-                   dtype, *, num_sms: int) -> FlashDecodeConfig:
+                   dtype, *, num_sms: int, owned_over: int | None = None) -> FlashDecodeConfig:
   """One wave of phase-1 items: the most splits (each a whole number of
   steps, at least `_MIN_SPLIT_STEPS` of them) with B * Hkv * splits <= the SM
   count; the deepest K/V ring (<= 4) that fits; combine columns halved (>= 16)
-  until the merge spreads over at least a quarter of the SMs.
+  until the merge spreads over at least a quarter of the SMs. With
+  `owned_over` = D: `owned_heads`, the merge over this device's 1 / D of
+  the groups.
 
   The floor on a split's steps: at 1 x 64 / 8 heads over 32768 positions on 4
   H200s (8192 per device, 64 steps), 16 splits of 4 steps took 40.1 µs, 8 of
@@ -224,14 +226,16 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
   items = batch * kv_heads
   splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (
       d == 1 or (items * d <= num_sms and steps // d >= _MIN_SPLIT_STEPS)))
-  _, tiles = merge_tiles(batch, q_heads, kv_heads)
+  share = owned_over or 1
+  _, tiles = merge_tiles(batch, q_heads // share, kv_heads // share)
   cols = head_dim
   while cols > 16 and tiles * (head_dim // cols) < num_sms // 4:
     cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
   stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
       block_kv, splits, n, cols).smem_bytes(head_dim, itemsize) <= SMEM_BYTES])
-  return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols)
+  return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols,
+                           owned_heads=owned_over is not None)
 
 
 def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s_shard: int,

@@ -341,6 +341,18 @@ def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape, d):
   assert steps % double or groups * double > 132 or steps // double < 8
 
 
+def test_default_config_with_owned_heads_spreads_the_smaller_merge():
+  """owned_over = D: each device merges 1 / D of the groups, so the merge's
+  columns narrow until its items still cover a quarter of the SMs (b32, 64 /
+  8 heads at D = 4: 8 tiles of 16 columns against 32 of 64)."""
+  args = (32, 8, 64, 8192, 128, BF16)
+  every = fd.default_config(*args, num_sms=132)
+  owned = fd.default_config(*args, num_sms=132, owned_over=4)
+  assert not every.owned_heads and every.combine_cols == 64
+  assert owned.owned_heads and owned.combine_cols == 16
+  assert dataclasses.replace(owned, owned_heads=False, combine_cols=64) == every
+
+
 @pytest.mark.parametrize("d,splits", [(1, 16), (2, 16), (4, 8), (8, 4)])
 def test_default_config_keeps_8_steps_per_split(d, splits):
   """1 x 64 / 8 heads over 32768 positions: 16 splits while each has 8+
