@@ -31,7 +31,9 @@ round trip before the next one starts (see `signals.signal`; the peers'
 semaphores behind one system-scope fence, `signals.signal_each`, with
 `one_fence`). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
-`receive_rows`).
+`receive_rows`). With `config.owned_heads` (experimental) a group's rows go
+to the device that owns its KV head only, at its row group there, and each
+device merges only its own groups into its Hq / D heads of the output.
 
 Phase 2, combine. Work item (merge tile, column chunk), on the blocks with
 the fewest phase-1 items: per source device, wait for its semaphore of the
