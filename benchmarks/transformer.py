@@ -210,6 +210,7 @@ class Variant:
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
   (`decode_matmul.xla_only`), whether the decode kernel sends each
   group's partials to its owner only (`flash_decode.owned_heads_kernel`),
+  how the decode step's KV cache is sharded (`transformer.KVCache.shards`),
   and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
@@ -220,6 +221,7 @@ class Variant:
   unfused_sums: bool = False
   xla_columns: bool = False
   owned_heads: bool = False
+  cache_shards: str = "positions"
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
@@ -244,7 +246,11 @@ def variants() -> tuple[Variant, ...]:
   the decode step over sharded activations), fused_sharded (fused with the
   decode step over sharded activations: `auto`'s before session 46),
   fused_owned_heads (fused with the decode kernel's owned_heads: each
-  group's partials to the device that owns its heads only), fused_entry (fused, the kernels meeting
+  group's partials to the device that owns its heads only), fused_heads /
+  bsp_heads (the decode step over a KV cache sharded by heads: attention
+  local, no exchange of partials nor gather of the step's heads; bsp_heads
+  over replicated activations, two XLA all-reduces per layer, as tensor-
+  parallel serving decodes), fused_entry (fused, the kernels meeting
   inside), fused_kernels (fused, `auto` taking the kernels wherever they
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
@@ -260,6 +266,9 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode, decode_activations="sharded"),
       Variant("fused_sharded", "auto", None, decode_activations="sharded"),
       Variant("fused_owned_heads", "auto", None, owned_heads=True),
+      Variant("fused_heads", "auto", None, cache_shards="heads"),
+      Variant("bsp_heads", "xla_bsp", decode, decode_activations="replicated",
+              cache_shards="heads"),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),
@@ -494,7 +503,8 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
     explained = transformer.explain(
         config, axis_size=d, batch=None if decode else b, seq=None if decode else s,
         impl=v.impl, decode_impl=v.decode_impl, decode_batch=b if decode else None,
-        cache_len=s if decode else None, decode_activations=v.decode_activations)
+        cache_len=s if decode else None, decode_activations=v.decode_activations,
+        cache_shards=v.cache_shards)
   info = {"explain": explained}
   gen = np.random.default_rng(0)
   tok = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=tokens_spec)
@@ -514,14 +524,14 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
     figures, (holder["params"], _, _) = _time_threaded(
         compiled, (params, tokens(), tokens()), lambda a, out: (out[0], *a[1:]), iterations, d)
     return {**figures, "info": info}
-  specs = transformer.cache_specs(AXIS, layers)
+  specs = transformer.cache_specs(AXIS, layers, v.cache_shards)
   shape = (b, s, config.kv_heads, config.head_dim)  # per layer
   per_layer = lambda layer_specs: tuple(
       jax.ShapeDtypeStruct(shape, config.dtype, sharding=NamedSharding(mesh, spec))
       for spec in layer_specs)
   cache_abstract = transformer.KVCache(
       per_layer(specs.k), per_layer(specs.v),
-      jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec))
+      jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tokens_spec), shards=v.cache_shards)
   cache_shardings = jax.tree.map(lambda a: a.sharding, cache_abstract)
   exchange = None
   # As `transformer.jitted` builds the step: where the plan takes the Lamport
@@ -529,14 +539,16 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   # state in the cache.
   with v.tracing(), platform.compiled_without_slice_fusion():
     plan = transformer.decode_plan(config, axis_size=d, batch=b, impl=v.impl,
-                                   activations=v.decode_activations)
+                                   activations=v.decode_activations,
+                                   cache_shards=v.cache_shards)
   info["decode_activations"] = plan.activations
   if plan.exchange_kernel:
     v = dataclasses.replace(v, compiler_options=tuple(
         {**dict(v.compiler_options), **dict(_NO_SLICE_FUSION)}.items()))  # compile_ sees it
     with v.tracing():
-      exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh)
-    cache_abstract = cache_abstract._replace(exchange=jax.tree.map(
+      exchange = transformer.exchange_state(config, b, axis_name=AXIS, mesh=mesh,
+                                            cache_shards=v.cache_shards)
+    cache_abstract = dataclasses.replace(cache_abstract, exchange=jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), exchange))
   fn = jax.jit(functools.partial(transformer.decode_step, decode_impl=v.decode_impl,
                                  activations=plan.activations, **common),
@@ -548,11 +560,11 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   make_cache = jax.jit(
       lambda: transformer.KVCache(
           *(tuple(jnp.zeros(shape, config.dtype) for _ in range(layers)) for _ in "kv"),
-          jnp.full((b,), s - DECODE_HEADROOM, jnp.int32)),
+          jnp.full((b,), s - DECODE_HEADROOM, jnp.int32), shards=v.cache_shards),
       out_shardings=cache_shardings)
   new_tokens = jax.device_put(np.arange(b, dtype=np.int32) % config.vocab, tokens_spec)
-  figures, _ = _time_threaded(compiled, (params, new_tokens, make_cache()._replace(
-      exchange=exchange)), lambda a, out: (*a[:2], out[1]), iterations, d)
+  figures, _ = _time_threaded(compiled, (params, new_tokens, dataclasses.replace(
+      make_cache(), exchange=exchange)), lambda a, out: (*a[:2], out[1]), iterations, d)
   return {**figures, "info": info}
 
 

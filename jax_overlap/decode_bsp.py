@@ -199,13 +199,16 @@ def flash_decode(q, k, v, kv_lens, scale: float, axis_name, *, interpret: bool =
   """Local Triton partial, all-gather of the partials, log-sum-exp merge.
 
   Args: as `jax_overlap.flash_decode` per shard, already validated; kv_lens
-    [B] int32 or None (every position valid).
+    [B] int32 or None (every position valid); axis_name None: the local
+    partial is the output (no gather).
 
   Returns:
     [B, Hq, Dh] in q's dtype, the same on every device.
   """
-  seq_offset = lax.axis_index(axis_name) * k.shape[1]
+  seq_offset = 0 if axis_name is None else lax.axis_index(axis_name) * k.shape[1]
   o, lse = local_partials(q, k, v, kv_lens, scale, seq_offset, interpret=interpret)
+  if axis_name is None:  # the whole cache here: the partial is the output
+    return o.astype(q.dtype)
   operands = (q, k, v) + (() if kv_lens is None else (kv_lens,))
   return gather_merge(o, lse, axis_name, vma.varying_axes(*operands)).astype(q.dtype)
 

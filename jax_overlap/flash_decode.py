@@ -201,7 +201,10 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       device at axis index i holds global positions [i * S_shard, (i+1) * S_shard).
       Hq must be a multiple of Hkv (GQA; Hkv = Hq is MHA, Hkv = 1 is MQA).
       q, k and v share one dtype: bf16, fp16 (fp32 on the XLA path).
-    axis_name: the mesh axis that shards the sequence (size D), bound by shard_map.
+    axis_name: the mesh axis that shards the sequence (size D), bound by
+      shard_map; None: k and v are the whole cache (D = 1: local attention,
+      no exchange; e.g. a cache sharded by heads, each device attending over
+      its own).
     kv_lens: optional [B] integer global valid lengths; positions >= kv_lens[b]
       are ignored (a device whose slice lies past the length contributes
       nothing). None means every position is valid. A sequence of length 0
@@ -241,8 +244,11 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
       multiple of Hkv, an impl that cannot run these shapes here.
     TypeError: unsupported or mismatched dtypes, non-integer kv_lens.
   """
-  problem = dispatch.in_processes(
-      _bind(q, k, v, kv_lens, _validate.bound_axis_size(axis_name), config, heads), axis_name)
+  if axis_name is None and heads != "all":
+    raise ValueError(f"heads={heads!r} with axis_name=None: a local call returns every head"
+                     " (heads='all').")
+  axis_size = 1 if axis_name is None else _validate.bound_axis_size(axis_name)
+  problem = dispatch.in_processes(_bind(q, k, v, kv_lens, axis_size, config, heads), axis_name)
   choice = _OP.choose(impl, problem)
   if scale is None:
     scale = 1.0 / math.sqrt(problem.head_dim)

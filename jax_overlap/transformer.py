@@ -17,11 +17,13 @@ sequence parallelism):
   names (cuDNN on NVIDIA GPUs, XLA elsewhere).
 - Decoding keeps the KV cache sharded along the sequence (device i holds
   positions [i * S_max / D, (i + 1) * S_max / D) of every head) and attends
-  through `flash_decode`, which merges the devices' partial attention; the
-  decode batch is sharded like the tokens above, or whole on every device
-  (local column-parallel matmuls, an all-reduce after each row-parallel one:
-  `decode_step`'s `activations`; "auto" takes this where the Lamport
-  exchange kernels run, `decode_plan`).
+  through `flash_decode`, which merges the devices' partial attention; or,
+  `KVCache.shards` = "heads", sharded by KV heads (device i holds every
+  position of its Hkv / D heads, those of its query heads) and attends
+  locally, with no exchange. The decode batch is sharded like the tokens
+  above, or whole on every device (local column-parallel matmuls, an
+  all-reduce after each row-parallel one: `decode_step`'s `activations`;
+  "auto" takes this where the Lamport exchange kernels run, `decode_plan`).
 
 A layer (pre-norm; RMSNorm; rotary embeddings; grouped-query attention;
 SwiGLU with gate and up in one matmul):
@@ -153,26 +155,51 @@ MODELS = {
 }
 
 
-class KVCache(NamedTuple):
-  """The decode state (a pytree).
+# How a KV cache's arrays are split over the axis (`KVCache.shards`).
+CACHE_SHARDS = ("positions", "heads")
 
-  k, v: one [B, S_max, Hkv, Dh] array per layer (tuples of L), positions
-    sharded over the axis (`cache_specs`); positions >= lengths[b] hold
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("k", "v", "lengths", "exchange"), meta_fields=("shards",))
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """The decode state (a pytree; `shards` is static).
+
+  k, v: one [B, S_max, Hkv, Dh] array per layer (tuples of L), split over
+    the axis as `shards` says (`cache_specs`); positions >= lengths[b] hold
     nothing valid. One buffer per layer, so that a decode step hands each
     layer's cache to the attention kernel as it is: a slice of a stacked
     [L, ...] cache would be copied for the kernel in every layer of every
     step (two thirds of a decode step's HBM traffic; benchmarks/NOTES.md,
     model v4).
   lengths: [B] int32, tokens cached per sequence (replicated).
-  exchange: None, or the persistent buffers of the exchange kernel of a
+  exchange: None, or the persistent buffers of the exchange kernels of a
     decode step over replicated activations (`DecodeExchanges`):
-    `exchange_state` makes them, `decode_step` needs them when it runs that
-    kernel and threads them through every call.
+    `exchange_state` makes them, `decode_step` needs them when it runs
+    those kernels and threads them through every call.
+  shards: "positions": device i holds positions [i * S_max / D, (i + 1) *
+    S_max / D) of every head, and a decode step attends through
+    `flash_decode`'s exchange of partials (S_max a multiple of D);
+    "heads": device i holds every position of KV heads [i * Hkv / D, (i +
+    1) * Hkv / D), and a decode step attends locally (no exchange, no
+    gather of the step's heads; Hkv a multiple of D, which the model needs
+    anyway).
   """
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
   exchange: "DecodeExchanges | None" = None
+  shards: str = "positions"
+
+  def __post_init__(self):
+    _check_cache_shards(self.shards)
+
+
+def _check_cache_shards(shards: str) -> None:
+  if shards not in CACHE_SHARDS:
+    raise ValueError(f"cache shards={shards!r}: expected 'positions' (the sequence split over"
+                     " the axis, attention through flash_decode's exchange) or 'heads' (KV"
+                     " heads split over the axis, local attention).")
 
 
 class DecodeExchanges(NamedTuple):
@@ -184,7 +211,8 @@ class DecodeExchanges(NamedTuple):
   summed: o's and down's matmuls and their sums over the axis
     (`decode_collectives.matmul_all_reduce`), [B, H] outputs.
   gathered: the heads' gather, [B, (Hq + 2 Hkv) / D * Dh] operands (each
-    device's q, k and v heads side by side).
+    device's q, k and v heads side by side); None (no such site) where the
+    cache is sharded by heads.
   """
   summed: object
   gathered: object
@@ -229,17 +257,22 @@ def param_specs(axis_name: str) -> dict:
                      "w_down": P(None, axis_name, None)}}
 
 
-def cache_specs(axis_name: str, layers: int) -> KVCache:
-  """The PartitionSpecs of a KVCache of `layers` layers: positions over the axis."""
-  kv = (P(None, axis_name, None, None),) * layers
-  return KVCache(kv, kv, P())
+def cache_specs(axis_name: str, layers: int, shards: str = "positions") -> KVCache:
+  """The PartitionSpecs of a KVCache of `layers` layers: positions or KV
+  heads over the axis (`KVCache.shards`)."""
+  _check_cache_shards(shards)
+  kv = (P(None, axis_name, None, None) if shards == "positions"
+        else P(None, None, axis_name, None),) * layers
+  return KVCache(kv, kv, P(), shards=shards)
 
 
-def empty_cache(config: TransformerConfig, layers: int, batch: int, cache_len: int) -> KVCache:
-  """A KVCache of zeros holding no tokens (global; place it as `cache_specs`)."""
+def empty_cache(config: TransformerConfig, layers: int, batch: int, cache_len: int,
+                shards: str = "positions") -> KVCache:
+  """A KVCache of zeros holding no tokens (global; place it as
+  `cache_specs(..., shards)`)."""
   zeros = lambda: tuple(jnp.zeros((batch, cache_len, config.kv_heads, config.head_dim),
                                   config.dtype) for _ in range(layers))
-  return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
+  return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32), shards=shards)
 
 
 # ----------------------------------------------------------------------------
@@ -295,8 +328,8 @@ def decode_impl_for(impl: str, decode_impl: str | None = None) -> str:
 def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = None,
             seq: int | None = None, impl: str = "auto", decode_impl: str | None = None,
             decode_batch: int | None = None, cache_len: int | None = None,
-            attention: str | None = None,
-            decode_activations: str = "auto") -> tuple[str, ...]:
+            attention: str | None = None, decode_activations: str = "auto",
+            cache_shards: str = "positions") -> tuple[str, ...]:
   """What each op of one layer (and the head) would run, without running it.
 
   The attention implementation; with `batch` and `seq`, the ops of a training
@@ -304,11 +337,13 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   `cache_len`, those of a decode step as `jitted` builds it (its
   `activations` as `decode_activations`, resolved by `decode_plan` as for a
   program compiled with XLA's dynamic-slice fusion off where the exchange
-  kernels are chosen, their state in the cache). Returns one line per op:
+  kernels are chosen, their state in the cache, the cache sharded as
+  `cache_shards` says). Returns one line per op:
   the `dispatch.Choice` (chosen impl, why earlier ones were rejected), or for
   a decode step's matmuls over replicated activations, what runs instead.
   """
   _check_decode_activations(decode_activations)
+  _check_cache_shards(cache_shards)
   c, d = config, axis_size
   c.check(d)
   s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
@@ -335,8 +370,9 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
   if decode_batch is not None and cache_len is not None:
     with platform.compiled_without_slice_fusion():
       plan = decode_plan(c, axis_size=d, batch=decode_batch, impl=impl,
-                         activations=decode_activations)
-      sites = decode_exchange_choices(c, axis_size=d, batch=decode_batch, impl=impl)
+                         activations=decode_activations, cache_shards=cache_shards)
+      sites = decode_exchange_choices(c, axis_size=d, batch=decode_batch, impl=impl,
+                                      cache_shards=cache_shards)
     choices.append(("decode activations", f"{decode_activations!r} -> {plan.activations}"
                                           f" ({plan.reason})"))
     if plan.activations == "replicated":
@@ -345,18 +381,23 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
         x, w = s(decode_batch, k), s(k, n)
         return decode_matmul.explain(x, w, impl=_column_impl(impl, x, w))
 
+      gather = "" if sites.gathered is None else f", then the heads' {sites.gathered}"
       choices += [(f"decode {name}", f"{how} (activations replicated)") for name, how in (
-          ("qkv", f"{local(c.hidden, qkv_cols)}, then the heads' {sites.gathered}"),
+          ("qkv", f"{local(c.hidden, qkv_cols)}{gather}"),
           ("o", sites.summed), ("gate_up", local(c.hidden, 2 * c.ffn // d)),
           ("down", sites.summed), ("head", local(c.hidden, c.vocab // d)))]
     else:
       choices += ops(decode_batch, "decode")
-    choices.append(("decode attention", explain_flash_decode(
-        s(decode_batch, c.q_heads, c.head_dim), s(decode_batch, cache_len // d, c.kv_heads,
-                                                   c.head_dim),
-        s(decode_batch, cache_len // d, c.kv_heads, c.head_dim),
-        jax.ShapeDtypeStruct((decode_batch,), jnp.int32), axis_size=d,
-        impl=decode_impl_for(impl, decode_impl), heads="own")))
+    if cache_shards == "positions":  # every head over this device's positions, exchanged
+      q_heads, kv = c.q_heads, s(decode_batch, cache_len // d, c.kv_heads, c.head_dim)
+      where = dict(axis_size=d, heads="own")
+    else:  # this device's heads over every position, locally
+      q_heads, kv = c.q_heads // d, s(decode_batch, cache_len, c.kv_heads // d, c.head_dim)
+      where = dict(axis_size=1)
+    attend = explain_flash_decode(s(decode_batch, q_heads, c.head_dim), kv, kv,
+                                  jax.ShapeDtypeStruct((decode_batch,), jnp.int32),
+                                  impl=decode_impl_for(impl, decode_impl), **where)
+    choices.append(("decode attention", f"{attend} (the cache sharded by {cache_shards})"))
   return tuple(lines + [f"{what}: {choice}" for what, choice in choices])
 
 
@@ -504,23 +545,28 @@ def exchange_impl_for(impl: str) -> str:
   return impl if impl in ("auto", "pallas") else "xla"
 
 
-def _exchange_shapes(config, batch: int, axis_size: int) -> DecodeExchanges:
+def _exchange_shapes(config, batch: int, axis_size: int,
+                     cache_shards: str = "positions") -> DecodeExchanges:
   """Each site's per-device state shape (rows, cols): the sums' output, the
-  gather's operand."""
+  gather's operand (None: no gather, the cache sharded by heads)."""
   heads = (config.q_heads + 2 * config.kv_heads) // axis_size
-  return DecodeExchanges(summed=(batch, config.hidden), gathered=(batch, heads * config.head_dim))
+  return DecodeExchanges(summed=(batch, config.hidden),
+                         gathered=(batch, heads * config.head_dim)
+                         if cache_shards == "positions" else None)
 
 
 def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "auto",
-                            axis_name=None, has_state: bool = True) -> DecodeExchanges:
+                            axis_name=None, has_state: bool = True,
+                            cache_shards: str = "positions") -> DecodeExchanges:
   """Each exchange site's `dispatch.Choice` in a decode step of `batch`
   sequences over replicated activations, the cache holding the kernel's
-  state (`exchange_state`; or not: `has_state`). o and down share the sums'
-  state: their choice is the first of down's and o's that is not the
-  kernel, else down's."""
+  state (`exchange_state`; or not: `has_state`) and sharded as
+  `cache_shards` says (by heads: no gather, `gathered` None). o and down
+  share the sums' state: their choice is the first of down's and o's that
+  is not the kernel, else down's."""
   c, impl = config, exchange_impl_for(impl)
   s = lambda *shape: jax.ShapeDtypeStruct(shape, c.dtype)
-  summed, gathered = _exchange_shapes(c, batch, axis_size)
+  summed, gathered = _exchange_shapes(c, batch, axis_size, cache_shards)
   state = lambda shapes: shapes if has_state else None
   sums = [decode_collectives.explain_matmul_all_reduce(
       s(batch, k), s(k, c.hidden),
@@ -529,7 +575,7 @@ def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "
       for k in (c.ffn // axis_size, c.q_heads // axis_size * c.head_dim)]
   return DecodeExchanges(
       summed=next((choice for choice in sums if choice.impl != "pallas"), sums[0]),
-      gathered=decode_collectives.explain_all_gather(
+      gathered=None if gathered is None else decode_collectives.explain_all_gather(
           s(*gathered), state(decode_collectives.state_shapes(*gathered, axis_size)),
           axis_size=axis_size, impl=impl, axis_name=axis_name))
 
@@ -555,7 +601,7 @@ class DecodePlan(NamedTuple):
 
 def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
                 activations: str = "auto", has_state: bool = True,
-                axis_name=None) -> DecodePlan:
+                axis_name=None, cache_shards: str = "positions") -> DecodePlan:
   """`decode_step`'s `activations` resolved for `batch` sequences over an
   axis of `axis_size`, in the current trace context (the exchange kernels
   run only where XLA's dynamic-slice fusion is off in the program:
@@ -572,37 +618,41 @@ def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
   the 70B-like step over replicated activations with them ran 1.12-1.26x
   over BSP's at D = 4, 1.10-1.14x at D = 2, ahead of the step over sharded
   activations (1.00-1.11x; 4 H200s, sessions 45-46, benchmarks/NOTES.md).
+  `cache_shards`: the cache's `KVCache.shards` (by heads: no heads' gather).
   """
   _check_decode_activations(activations)
   none = DecodeExchanges(False, False)
   if activations == "sharded":
     return DecodePlan("sharded", none, "requested")
   choose = functools.partial(decode_exchange_choices, config, axis_size=axis_size, batch=batch,
-                             impl=impl, axis_name=axis_name)
+                             impl=impl, axis_name=axis_name, cache_shards=cache_shards)
+  kernel = lambda choice: choice is not None and choice.impl == "pallas"
   if activations == "replicated":
     choices = choose(has_state=has_state or exchange_impl_for(impl) == "pallas")
-    return DecodePlan("replicated", DecodeExchanges(*(c.impl == "pallas" for c in choices)),
-                      "requested")
+    return DecodePlan("replicated", DecodeExchanges(*map(kernel, choices)), "requested")
   try:
     choices = choose(has_state=has_state)
   except ValueError as e:  # impl="pallas", and the exchange kernels cannot run here
     if batch % axis_size:
       raise
     return DecodePlan("sharded", none, f"the exchange kernels do not run here: {e}")
-  sites = DecodeExchanges(*(choice.impl == "pallas" for choice in choices))
-  if all(sites):
+  sites = DecodeExchanges(*map(kernel, choices))
+  present = [choice for choice in choices if choice is not None]
+  if all(map(kernel, present)):
     return DecodePlan("replicated", sites, "every exchange through the Lamport kernels")
-  no_kernel = "; ".join(str(choice) for choice in choices if choice.impl != "pallas")
+  no_kernel = "; ".join(str(choice) for choice in present if not kernel(choice))
   if batch % axis_size:
     return DecodePlan("replicated", none,
                       f"B = {batch} does not split over D = {axis_size}; {no_kernel}")
   return DecodePlan("sharded", none, f"the exchange kernels do not all run: {no_kernel}")
 
 
-def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeExchanges:
+def exchange_state(config, batch: int, *, axis_name: str, mesh=None,
+                   cache_shards: str = "positions") -> DecodeExchanges:
   """A fresh `KVCache.exchange` for decode steps of `batch` sequences over
-  replicated activations through the exchange kernel (each array stacked
-  over the axis's devices, sharded over it): `cache._replace(exchange=...)`
+  replicated activations through the exchange kernels, with a cache
+  sharded as `cache_shards` says (each array stacked over the axis's
+  devices, sharded over it): `dataclasses.replace(cache, exchange=...)`
   before the first such step.
 
   It returns once every device holds its state: a peer's first store must
@@ -611,10 +661,11 @@ def exchange_state(config, batch: int, *, axis_name: str, mesh=None) -> DecodeEx
   lost a store that way: 2 H200s, session 43).
   """
   mesh, _ = sharded.resolve_mesh(mesh, axis_name, ())
-  summed, gathered = _exchange_shapes(config, batch, mesh.shape[axis_name])
+  summed, gathered = _exchange_shapes(config, batch, mesh.shape[axis_name], cache_shards)
   return DecodeExchanges(
       summed=decode_collectives.fresh_matmul_state(*summed, axis_name=axis_name, mesh=mesh),
-      gathered=decode_collectives.fresh_state(*gathered, axis_name=axis_name, mesh=mesh))
+      gathered=None if gathered is None else decode_collectives.fresh_state(
+          *gathered, axis_name=axis_name, mesh=mesh))
 
 
 def _embed(tokens, table, axis_name, *, replicated: bool = False):
@@ -799,7 +850,8 @@ def train_step(params, tokens, labels, *, learning_rate: float, **kwargs):
 
 
 def prefill(params, tokens, lengths=None, *, cache_len: int, config: TransformerConfig,
-            axis_name: str, mesh=None, impl: str = "auto", attention: str | None = None):
+            axis_name: str, mesh=None, impl: str = "auto", attention: str | None = None,
+            cache_shards: str = "positions"):
   """Runs prompts through the model, fills a KV cache, returns the logits of
   each prompt's last token.
 
@@ -810,14 +862,18 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
       prompt's end does not change its logits (causal attention).
     cache_len: S_max >= S, the cache's positions; a multiple of D.
     config, axis_name, mesh, impl, attention: as for `loss`.
+    cache_shards: the returned cache's `KVCache.shards` ("positions" or
+      "heads"; the layers compute each device's KV heads, so "heads" keeps
+      them where they are and "positions" moves them by one all-to-all).
 
   Returns:
     (logits [B, V] float32 of position lengths[b] - 1, vocabulary sharded
     over the axis; a KVCache of S_max positions holding the prompts, with
-    `lengths`).
+    `lengths`, sharded as `cache_shards` says).
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, None, attention)
   _check_tokens(tokens, d)
+  _check_cache_shards(cache_shards)
   b, s = tokens.shape
   if cache_len < s or cache_len % d:
     raise ValueError(f"cache_len={cache_len} must be >= the prompt length S = {s} and a"
@@ -829,12 +885,13 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
     x, (k, v) = _layers(params, tokens, ops, keep_kv=True)
     me = lax.axis_index(axis_name)
 
-    def my_positions(a):  # [L, B, S, Hkv / D, Dh] -> L x [B, S_max / D, Hkv, Dh]
-      """From head shards to position shards, one buffer per layer: padded
-      to S_max, then each device sends each peer that peer's positions of
-      its heads (1 / D of what an all-gather of the heads would move)."""
+    def my_part(a):  # [L, B, S, Hkv / D, Dh] -> L x this device's part of [B, S_max, Hkv, Dh]
+      """One buffer per layer, padded to S_max; by positions, each device
+      sends each peer that peer's positions of its heads (1 / D of what an
+      all-gather of the heads would move)."""
       a = jnp.pad(a, ((0, 0), (0, 0), (0, cache_len - s), (0, 0), (0, 0)))
-      a = lax.all_to_all(a, axis_name, split_axis=2, concat_axis=3, tiled=True)
+      if cache_shards == "positions":
+        a = lax.all_to_all(a, axis_name, split_axis=2, concat_axis=3, tiled=True)
       return tuple(a[layer] for layer in range(a.shape[0]))
 
     # Each prompt's last row: found on the device holding it, summed from there.
@@ -845,13 +902,13 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
     last = lax.psum(last.astype(_F32), axis_name).astype(x.dtype)
     logits = jnp.dot(_rms_norm(last, params["norm_final"], config.eps), params["w_head"],
                      preferred_element_type=_F32)
-    return logits, my_positions(k), my_positions(v)
+    return logits, my_part(k), my_part(v)
 
-  kv = cache_specs(axis_name, params["layers"]["w_o"].shape[0]).k
+  kv = cache_specs(axis_name, params["layers"]["w_o"].shape[0], cache_shards).k
   logits, k, v = sharded.shard_map_args(
       body, mesh, (param_specs(axis_name), P(), P()), (P(None, axis_name), kv, kv),
       params, tokens, lengths.astype(jnp.int32))
-  return logits, KVCache(k, v, lengths.astype(jnp.int32))
+  return logits, KVCache(k, v, lengths.astype(jnp.int32), shards=cache_shards)
 
 
 # How a decode step's activations lie between sublayers (`decode_step`).
@@ -876,7 +933,10 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     tokens: [B] int32, each sequence's next token (replicated); with
       activations="sharded", B a multiple of D.
     cache: a KVCache (`prefill`'s, or `empty_cache`) of the model's layers,
-      sharded as `cache_specs`; every length must be < S_max.
+      sharded as `cache_specs(..., cache.shards)`; every length must be <
+      S_max. By positions, attention goes through `flash_decode`'s exchange
+      of partials (the step's heads gathered first); by heads, each device
+      attends over its own heads locally.
     config, axis_name, mesh, impl: as for `loss`.
     decode_impl: `flash_decode`'s impl; None: `decode_impl_for(impl)`.
     activations: how the batch's activations lie between sublayers
@@ -887,7 +947,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       matmul + reduce-scatters, five exchanges per layer with the heads'
       gather. "replicated": all B rows on every device: the column-parallel
       matmuls are local and each row-parallel one ends in one all-reduce,
-      three exchanges per layer; `impl` then applies to `flash_decode`
+      three exchanges per layer (two with the cache sharded by heads);
+      `impl` then applies to `flash_decode`
       (decode_impl_for(impl)) and to the exchanges (`decode_collectives`,
       `exchange_impl_for(impl)`). The logits are the same up to rounding.
 
@@ -906,25 +967,27 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]
+  by_positions = cache.shards == "positions"
   plan = decode_plan(config, axis_size=d, batch=b, impl=impl, activations=activations,
-                     has_state=cache.exchange is not None, axis_name=axis_name)
+                     has_state=cache.exchange is not None, axis_name=axis_name,
+                     cache_shards=cache.shards)
   replicated, kernel_sites = plan.activations == "replicated", plan.kernel_sites
   if any(kernel_sites) and cache.exchange is None:
     raise ValueError(
         "cache.exchange is None, but this decode step exchanges through the Lamport kernel, which"
-        " needs its persistent buffers: cache = cache._replace(exchange=transformer.exchange_state("
-        f"config, {b}, axis_name={axis_name!r})) before the first step (`transformer.jitted`'s"
-        " decode step makes it), or impl='auto'.")
+        " needs its persistent buffers: cache = dataclasses.replace(cache, exchange=transformer."
+        f"exchange_state(config, {b}, axis_name={axis_name!r}, cache_shards={cache.shards!r}))"
+        " before the first step (`transformer.jitted`'s decode step makes it), or impl='auto'.")
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
     raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"
                      f" {len(cache.k)} and {len(cache.v)}; make it with `prefill` or"
                      " `empty_cache`.")
   s_max = cache.k[0].shape[1]
-  if tokens.ndim != 1 or (b % d and not replicated) or s_max % d:
+  if tokens.ndim != 1 or (b % d and not replicated) or (s_max % d and by_positions):
     raise ValueError(f"tokens: expected [B] with B a multiple of the axis size {d} (or"
                      f" activations='replicated'), and the cache's S_max = {s_max} a multiple"
-                     f" of {d}; got tokens {tuple(tokens.shape)}.")
+                     f" of {d} (or a cache sharded by heads); got tokens {tuple(tokens.shape)}.")
   c = config
 
   def body(params, tokens, k_cache, v_cache, lengths, exchange):
@@ -936,7 +999,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
                                 matmul_sum=exchanges.matmul_sum) if replicated else ops)
     s_shard = k_cache[0].shape[1]
     # Where the new token goes on this device (S_shard: not here, dropped).
-    slot = lengths - me * s_shard
+    slot = lengths - me * s_shard if by_positions else lengths
     slot = jnp.where((slot >= 0) & (slot < s_shard), slot, s_shard)
     batch = jnp.arange(b)
 
@@ -948,12 +1011,15 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       return [a.reshape(b, -1, a.shape[-1]) for a in jnp.split(whole, bounds, axis=2)]
 
     def layer(x, p, k_cache, v_cache):
-      q, k, v = everywhere(*_qkv(x, p, layer_ops, lengths))
-      # The cache holds every head of its positions (in place, when donated).
+      q, k, v = _qkv(x, p, layer_ops, lengths)  # this device's heads
+      if by_positions:  # the cache holds every head of its positions
+        q, k, v = everywhere(q, k, v)
+      # In place, when donated.
       k_cache = k_cache.at[batch, slot].set(k, mode="drop")
       v_cache = v_cache.at[batch, slot].set(v, mode="drop")
-      mine = flash_decode(q, k_cache, v_cache, axis_name=axis_name, kv_lens=lengths + 1,
-                          impl=ops.decode_impl, heads="own")  # this device's heads
+      mine = flash_decode(q, k_cache, v_cache, axis_name=axis_name if by_positions else None,
+                          kv_lens=lengths + 1, impl=ops.decode_impl,
+                          heads="own" if by_positions else "all")  # this device's heads
       x = x + layer_ops.row(mine.reshape(b, -1), p["w_o"])
       return _mlp(x, p, layer_ops), k_cache, v_cache
 
@@ -974,7 +1040,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
         for state in exchanges.states))
     return logits.astype(_F32), tuple(k_out), tuple(v_out), exchange
 
-  specs = cache_specs(axis_name, layers)
+  specs = cache_specs(axis_name, layers, cache.shards)
   exchange_in = exchange_specs = None
   if any(kernel_sites):
     exchange_in = DecodeExchanges(*(
@@ -986,7 +1052,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
       body, mesh, (param_specs(axis_name), P(), specs.k, specs.v, P(), exchange_specs),
       (P(None, axis_name), specs.k, specs.v, exchange_specs),
       params, tokens, cache.k, cache.v, cache.lengths, exchange_in)
-  return logits, KVCache(k, v, cache.lengths + 1, exchange)
+  return logits, KVCache(k, v, cache.lengths + 1, exchange, cache.shards)
 
 
 class Jitted(NamedTuple):
@@ -999,12 +1065,14 @@ class Jitted(NamedTuple):
 def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = "auto",
            decode_impl: str | None = None, attention: str | None = None,
            learning_rate: float = 1e-3, cache_len: int | None = None,
-           decode_activations: str = "auto", donate: bool = True) -> Jitted:
+           cache_shards: str = "positions", decode_activations: str = "auto",
+           donate: bool = True) -> Jitted:
   """`train_step(params, tokens, labels)`, `prefill(params, tokens, lengths)`
   and `decode_step(params, tokens, cache)`, jitted with these settings.
 
   With `donate`, train_step donates params and decode_step the cache (updated
-  in place); prefill needs `cache_len`; `decode_activations` is decode_step's
+  in place); prefill needs `cache_len` and makes caches sharded as
+  `cache_shards` says; `decode_activations` is decode_step's
   `activations`, resolved per batch size by `decode_plan` (`explain` says
   how). Where the plan takes the Lamport exchange kernels, decode_step
   compiles its program with XLA's dynamic-slice fusion off, as they need,
@@ -1021,7 +1089,8 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
   train = jax.jit(functools.partial(train_step, learning_rate=learning_rate,
                                     attention=attention, **common),
                   donate_argnums=(0,) if donate else ())
-  pre = jax.jit(functools.partial(prefill, cache_len=cache_len, attention=attention, **common))
+  pre = jax.jit(functools.partial(prefill, cache_len=cache_len, attention=attention,
+                                  cache_shards=cache_shards, **common))
   donate_cache = dict(donate_argnums=(2,) if donate else ())
 
   @functools.cache
@@ -1033,11 +1102,12 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
     return (platform.jit_without_slice_fusion if own else jax.jit)(fn, **donate_cache)
 
   @functools.cache
-  def plan(axis_size: int, batch: int) -> DecodePlan:
+  def plan(axis_size: int, batch: int, shards: str) -> DecodePlan:
     # The kernels' state stays in place only in a donated cache.
     with platform.compiled_without_slice_fusion():
       p = decode_plan(config, axis_size=axis_size, batch=batch, impl=impl,
-                      activations=decode_activations, has_state=donate, axis_name=axis_name)
+                      activations=decode_activations, has_state=donate, axis_name=axis_name,
+                      cache_shards=shards)
     if p.exchange_kernel and not donate:
       raise ValueError(
           "donate=False, but this decode step exchanges through the Lamport kernels, whose"
@@ -1050,10 +1120,10 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
     if isinstance(tokens, jax.core.Tracer):  # inside another jit: traced in its context
       return program(decode_activations, False)(params, tokens, cache)
     axis_size = sharded.resolve_mesh(mesh, axis_name, ())[0].shape[axis_name]
-    p = plan(axis_size, tokens.shape[0])
+    p = plan(axis_size, tokens.shape[0], cache.shards)
     if p.exchange_kernel and cache.exchange is None:
-      cache = cache._replace(exchange=exchange_state(config, tokens.shape[0],
-                                                     axis_name=axis_name, mesh=mesh))
+      cache = dataclasses.replace(cache, exchange=exchange_state(
+          config, tokens.shape[0], axis_name=axis_name, mesh=mesh, cache_shards=cache.shards))
     return program(p.activations, p.exchange_kernel)(params, tokens, cache)
 
   return Jitted(train, pre, decode)

@@ -147,7 +147,8 @@ def merge_partials(o, lse, *, axis: int, axis_name=None):
 
 
 def flash_decode_bsp(q, k, v, kv_lens, scale, axis_name):
-  """Local partial, then an all-reduce merge with the log-sum-exp rule."""
-  seq_offset = lax.axis_index(axis_name) * k.shape[1]
+  """Local partial, then an all-reduce merge with the log-sum-exp rule (none
+  with axis_name None: the whole cache is local)."""
+  seq_offset = 0 if axis_name is None else lax.axis_index(axis_name) * k.shape[1]
   o, lse = decode_partials(q, k, v, kv_lens, scale, seq_offset)
   return merge_partials(o[None], lse[None], axis=0, axis_name=axis_name).astype(q.dtype)

@@ -5,6 +5,7 @@ step threading the kernels' states (the kernels replaced by stand-ins that
 count calls). The kernels themselves run in
 tests/test_decode_collectives_gpu.py."""
 
+import dataclasses
 import functools
 import re
 import shutil
@@ -392,7 +393,8 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
         if impl == "pallas":
           with pytest.raises(ValueError, match=r"cache.exchange is None.*exchange_state\("):
             step(params, tokens, cache)
-          cache = cache._replace(exchange=transformer.exchange_state(config, batch, axis_name=AXIS))
+          cache = dataclasses.replace(cache, exchange=transformer.exchange_state(
+              config, batch, axis_name=AXIS))
           assert all((np.asarray(s.counts) == 0).all() for s in cache.exchange)
           summed = lamport.state_shapes(batch, config.hidden, d, (
               lamport.default_config(batch, config.hidden) if unfused

@@ -114,6 +114,40 @@ def test_per_shard_own_heads(case, impl):
     reference.assert_close(out, want[:, i * n:(i + 1) * n], dtype, what=f"device {i}'s heads")
 
 
+def _local_over_heads(d, q, k, v, kv_lens, attend):
+  """`attend(q, k, v, kv_lens)` per device over a cache sharded by KV heads
+  (each device every position of its Hkv / D heads, q its Hq / D heads);
+  returns the devices' outputs side by side, [B, Hq, Dh]."""
+  mesh = testkit.mesh_1d(d)
+  q_spec, kv_spec = P(None, AXIS), P(None, None, AXIS)
+  f = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P()),
+                            out_specs=q_spec, check_vma=False))
+  return np.asarray(f(testkit.put(mesh, q, q_spec), testkit.put(mesh, k, kv_spec),
+                      testkit.put(mesh, v, kv_spec), testkit.put(mesh, kv_lens, P())))
+
+
+@pytest.mark.parametrize("impl", ("xla_bsp", "auto", "pallas_bsp interpreted"))
+@pytest.mark.parametrize("d", [2, 4])
+def test_local_call_attends_over_a_cache_sharded_by_heads(d, impl):
+  """axis_name=None: k and v are the whole cache (every position) of this
+  device's heads; no exchange. Ragged and zero lengths, GQA."""
+  hq, hkv, dh, s, dtype = 8, 4, 64, 32, jnp.bfloat16
+  q, k, v = _inputs(1, hq, hkv, dh, s, dtype, "local", d, impl)
+  lens = np.array([s, 0, 1, s // 2 + 1, 7, s - 1], np.int32)
+  if impl == "pallas_bsp interpreted":
+    attend = lambda q, k, v, n: decode_bsp.flash_decode(q, k, v, n, 0.125, None, interpret=True)
+  else:
+    attend = lambda q, k, v, n: jax_overlap.flash_decode(q, k, v, axis_name=None, kv_lens=n,
+                                                         impl=impl)
+  out = _local_over_heads(d, q, k, v, lens, attend)
+  reference.assert_close(out, reference.flash_decode(q, k, v, lens), dtype,
+                         what="every device's heads")
+  np.testing.assert_array_equal(out[lens == 0], 0.0, err_msg="length-0 sequence")
+  q1, kv = jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(k.shape, dtype)
+  with pytest.raises(ValueError, match="heads='own' with axis_name=None"):
+    jax_overlap.flash_decode(q1, kv, kv, axis_name=None, heads="own")
+
+
 def test_own_heads_are_checked_by_name():
   q, kv = (jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16),
            jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16))

@@ -158,9 +158,18 @@ def test_decode_over_replicated_activations_matches_the_reference(d, lengths):
   _check_prefill_and_decode(d, "auto", "replicated", lengths)
 
 
-def _check_prefill_and_decode(d, impl, activations, lengths):
+@pytest.mark.parametrize("impl", ["auto", "xla_bsp"])
+@pytest.mark.parametrize("activations", ["sharded", "replicated"])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_decode_over_a_cache_sharded_by_heads_matches_the_reference(d, activations, impl):
+  """The same steps with `prefill(..., cache_shards="heads")`: each device
+  holds every position of its KV heads and attends over them locally."""
+  _check_prefill_and_decode(d, impl, activations, [3, 8, 5, 1], cache_shards="heads")
+
+
+def _check_prefill_and_decode(d, impl, activations, lengths, cache_shards="positions"):
   batch, seq, steps, cache_len = len(lengths), 8, 3, 16
-  mesh, params, ref, gen = _setup(d, "decode", d, impl, activations)
+  mesh, params, ref, gen = _setup(d, "decode", d, impl, activations, cache_shards)
   lengths = np.array(lengths, np.int32)
   text = gen.integers(0, CONFIG.vocab, (batch, seq + steps)).astype(np.int32)
   prompts = np.where(np.arange(seq) < lengths[:, None], text[:, :seq], 0)
@@ -170,36 +179,41 @@ def _check_prefill_and_decode(d, impl, activations, lengths):
   want = np.asarray(ref.logits(full))
   common = dict(config=CONFIG, axis_name=AXIS, impl=impl)
   with jax.set_mesh(mesh):
-    prefill = jax.jit(functools.partial(transformer.prefill, cache_len=cache_len, **common))
+    prefill = jax.jit(functools.partial(transformer.prefill, cache_len=cache_len,
+                                        cache_shards=cache_shards, **common))
     step = jax.jit(functools.partial(transformer.decode_step, activations=activations, **common),
                    donate_argnums=2)
     logits, cache = prefill(params, testkit.put(mesh, prompts, P()),
                             testkit.put(mesh, lengths, P()))
-    assert len(cache.k) == len(cache.v) == LAYERS
+    assert len(cache.k) == len(cache.v) == LAYERS and cache.shards == cache_shards
+    spec = transformer.cache_specs(AXIS, LAYERS, cache_shards).k[0]
     for a in (*cache.k, *cache.v):
       assert a.shape == (batch, cache_len, CONFIG.kv_heads, CONFIG.head_dim)
+      assert a.sharding.spec == spec, (a.sharding.spec, spec)
     _close(logits, want[np.arange(batch), lengths - 1], "prefill logits")
     for t in range(steps):
       logits, cache = step(params, testkit.put(mesh, text[:, seq + t], P()), cache)
       _close(logits, want[np.arange(batch), lengths + t], f"decode step {t} logits")
+      assert cache.shards == cache_shards and cache.k[0].sharding.spec == spec
     np.testing.assert_array_equal(cache.lengths, lengths + steps)
 
 
-def test_decode_from_an_empty_cache_matches_the_reference():
+@pytest.mark.parametrize("shards", transformer.CACHE_SHARDS)
+def test_decode_from_an_empty_cache_matches_the_reference(shards):
   """Token by token from `empty_cache` filled with garbage (the lengths must
   mask it): step t's logits equal the reference's at position t."""
   d, batch, seq = 2, 2, 6
-  mesh, params, ref, gen = _setup(d, "empty")
+  mesh, params, ref, gen = _setup(d, "empty", shards)
   text = gen.integers(0, CONFIG.vocab, (batch, seq)).astype(np.int32)
   want = np.asarray(ref.logits(text))
-  empty = transformer.empty_cache(CONFIG, LAYERS, batch, 8)
+  empty = transformer.empty_cache(CONFIG, LAYERS, batch, 8, shards)
   garbage = tuple(100 * gen.standard_normal(a.shape).astype(np.float32) for a in empty.k)
-  specs = transformer.cache_specs(AXIS, LAYERS)
+  specs = transformer.cache_specs(AXIS, LAYERS, shards)
   with jax.set_mesh(mesh):
     put = lambda arrays, layer_specs: tuple(map(functools.partial(testkit.put, mesh), arrays,
                                                 layer_specs))
     cache = transformer.KVCache(put(garbage, specs.k), put(tuple(-g for g in garbage), specs.v),
-                                testkit.put(mesh, empty.lengths, specs.lengths))
+                                testkit.put(mesh, empty.lengths, specs.lengths), shards=shards)
     step = jax.jit(functools.partial(transformer.decode_step, config=CONFIG, axis_name=AXIS))
     for t in range(seq):
       logits, cache = step(params, testkit.put(mesh, text[:, t], P()), cache)
@@ -256,6 +270,34 @@ def test_auto_decode_activations_follow_the_exchange_kernels(d, batch, has_state
     assert f"decode activations: 'auto' -> {want} (" in "\n".join(lines), lines
     down = next(line for line in lines if line.startswith("decode down: "))
     assert ("matmul_all_reduce: impl='auto' -> pallas" in down) == (want == "replicated"), down
+
+
+def test_a_cache_sharded_by_heads_has_no_gather_and_attends_locally(monkeypatch):
+  """With `cache_shards="heads"` the plan and the state have no heads'
+  gather, "auto" still takes replicated activations over the Lamport sums,
+  and `explain` names a local attention (axis size 1) over this device's
+  heads and every position; an unknown layout is refused by name."""
+  platform = _fake_hopper(monkeypatch)
+  config = transformer.MODELS["70b"]
+  with platform.compiled_without_slice_fusion():
+    plan = transformer.decode_plan(config, axis_size=4, batch=32, cache_shards="heads")
+  assert plan.activations == "replicated" and plan.kernel_sites == (True, False), plan
+  lines = transformer.explain(config, axis_size=4, decode_batch=32, cache_len=32768,
+                              cache_shards="heads")
+  qkv = next(line for line in lines if line.startswith("decode qkv: "))
+  assert "gather" not in qkv and "-> xla (activations replicated)" in qkv, qkv
+  attend = next(line for line in lines if line.startswith("decode attention: "))
+  assert attend.endswith("(the cache sharded by heads)"), attend
+  positions = next(line for line in transformer.explain(
+      config, axis_size=4, decode_batch=32, cache_len=32768) if line.startswith("decode att"))
+  assert positions.endswith("(the cache sharded by positions)"), positions
+  with jax.set_mesh(testkit.mesh_1d(4)):
+    state = transformer.exchange_state(config, 32, axis_name=AXIS, cache_shards="heads")
+  assert state.gathered is None and state.summed is not None
+  with pytest.raises(ValueError, match="cache shards='rows': expected 'positions'"):
+    transformer.cache_specs(AXIS, LAYERS, "rows")
+  with pytest.raises(ValueError, match="cache shards='rows'"):
+    transformer.empty_cache(CONFIG, LAYERS, 2, 8, "rows")
 
 
 @pytest.mark.parametrize("impl, kernel", [("auto", False), ("pallas", True)])

@@ -8,6 +8,7 @@ Tolerance: every element within 3e-2 (logits, loss, caches) or 5e-2
 of the XLA model's array.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -81,7 +82,8 @@ def test_training_gradients_match_the_xla_model(d):
 
 
 @pytest.mark.parametrize("activations, decode_impl", [
-    ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas"), ("auto", "jitted")])
+    ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas"), ("auto", "jitted"),
+    ("auto", "jitted_heads")])
 @pytest.mark.parametrize("d", [2, 4])
 def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, monkeypatch):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
@@ -93,7 +95,9 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   matmuls through `decode_matmul`'s kernel at this model's narrow widths;
   "jitted": `transformer.jitted`'s decode step as a user gets it, whose
   "auto" must take replicated activations and the Lamport kernels here, and
-  make their state), the XLA model's sharded."""
+  make their state; "jitted_heads": the same over a cache that `prefill`
+  sharded by KV heads, attended locally by the decode kernel, with no gather),
+  the XLA model's sharded, its cache by positions."""
   monkeypatch.setattr(decode_matmul, "MIN_TILES", 1)
   mesh, params, gen = _setup(d)
   _uses_kernels(d)
@@ -105,21 +109,28 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   with jax.set_mesh(mesh):
     for impl, attention in (("auto", None), ("xla_bsp", "xla")):
       common = dict(config=CONFIG, axis_name=AXIS, impl=impl)
+      shards = "heads" if impl == "auto" and decode_impl == "jitted_heads" else "positions"
       logits, cache = jax.jit(functools.partial(
-          transformer.prefill, cache_len=cache_len, attention=attention, **common))(
-              params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
+          transformer.prefill, cache_len=cache_len, attention=attention, cache_shards=shards,
+          **common))(params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
+      assert cache.shards == shards
       lamport = impl == "auto" and decode_impl == "pallas"
-      if impl == "auto" and decode_impl == "jitted":
+      if impl == "auto" and decode_impl.startswith("jitted"):
         with platform.compiled_without_slice_fusion():
-          plan = transformer.decode_plan(CONFIG, axis_size=d, batch=8)
-        assert plan.activations == "replicated" and all(plan.kernel_sites), plan
+          plan = transformer.decode_plan(CONFIG, axis_size=d, batch=8, cache_shards=shards)
+        assert plan.activations == "replicated" and plan.kernel_sites.summed, plan
+        attend = [line for line in transformer.explain(
+            CONFIG, axis_size=d, decode_batch=8, cache_len=cache_len, cache_shards=shards)
+                  if line.startswith("decode attention: ")]
+        assert len(attend) == 1 and "-> pallas" in attend[0], attend
         step = transformer.jitted(CONFIG, axis_name=AXIS).decode_step
       else:
         step = (platform.jit_without_slice_fusion if lamport else jax.jit)(functools.partial(
             transformer.decode_step, **{**common, "impl": decode_impl if impl == "auto" else impl},
             activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
       if lamport:
-        cache = cache._replace(exchange=transformer.exchange_state(CONFIG, 8, axis_name=AXIS))
+        cache = dataclasses.replace(cache, exchange=transformer.exchange_state(
+            CONFIG, 8, axis_name=AXIS))
       seen = [logits]
       for t in range(steps):
         logits, cache = step(params, testkit.put(mesh, tokens[:, t], P()), cache)
@@ -132,10 +143,11 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
     _close(got_cache.k[layer], want_cache.k[layer], f"cache k, layer {layer}")
     _close(got_cache.v[layer], want_cache.v[layer], f"cache v, layer {layer}")
   np.testing.assert_array_equal(got_cache.lengths, lengths + steps)
-  # Per layer per step, two all-reduces and one gather of the heads through
-  # the kernels' states, or none.
-  if decode_impl in ("pallas", "jitted"):
+  # Per layer per step, two all-reduces and one gather of the heads (none
+  # over a cache sharded by heads) through the kernels' states, or none.
+  if decode_impl in ("pallas", "jitted", "jitted_heads"):
+    assert (got_cache.exchange.gathered is None) == (decode_impl == "jitted_heads")
     for state, per_layer in zip(got_cache.exchange, (2, 1)):
-      assert (np.asarray(state.counts) == per_layer * LAYERS * steps).all()
+      assert state is None or (np.asarray(state.counts) == per_layer * LAYERS * steps).all()
   else:
     assert got_cache.exchange is None
