@@ -71,7 +71,6 @@ from jax_overlap import decode_bsp
 from jax_overlap import decode_collectives
 from jax_overlap import decode_matmul
 from jax_overlap import dispatch
-from jax_overlap.flash_decode import owned_heads_kernel
 from jax_overlap import transformer
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import flash_decode as fd_kernel
@@ -99,8 +98,8 @@ _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in 
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused (`auto`, the decode step's"
     " activations by `transformer.decode_plan`), bsp, fused_sharded (fused, the decode step over"
-    " sharded activations), fused_owned_heads (fused, the decode kernel sending each group's"
-    " partials to its owner only), fused_entry (fused with the matmul"
+    " sharded activations), fused_heads and bsp_heads (the decode step over a KV cache sharded"
+    " by heads: local attention, no exchange of partials), fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
@@ -208,9 +207,7 @@ class Variant:
   (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
   whether its matmul sums run unfused (`decode_collectives.
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
-  (`decode_matmul.xla_only`), whether the decode kernel sends each
-  group's partials to its owner only (`flash_decode.owned_heads_kernel`),
-  how the decode step's KV cache is sharded (`transformer.KVCache.shards`),
+  (`decode_matmul.xla_only`), how the decode step's KV cache is sharded (`transformer.KVCache.shards`),
   and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
@@ -220,7 +217,6 @@ class Variant:
   decode_activations: str = "auto"
   unfused_sums: bool = False
   xla_columns: bool = False
-  owned_heads: bool = False
   cache_shards: str = "positions"
   compiler_options: tuple[tuple[str, object], ...] = ()
 
@@ -234,7 +230,7 @@ class Variant:
     no_fusion = dict(self.compiler_options).get(_NO_SLICE_FUSION[0][0]) is False
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
         self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
-            decode_matmul.xla_only(self.xla_columns)), owned_heads_kernel(self.owned_heads), (
+            decode_matmul.xla_only(self.xla_columns)), (
             platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
       yield
 
@@ -245,8 +241,7 @@ def variants() -> tuple[Variant, ...]:
   compiles it), bsp (the XLA paths, flash_decode on its best BSP pipeline,
   the decode step over sharded activations), fused_sharded (fused with the
   decode step over sharded activations: `auto`'s before session 46),
-  fused_owned_heads (fused with the decode kernel's owned_heads: each
-  group's partials to the device that owns its heads only), fused_heads /
+  fused_heads /
   bsp_heads (the decode step over a KV cache sharded by heads: attention
   local, no exchange of partials nor gather of the step's heads; bsp_heads
   over replicated activations, two XLA all-reduces per layer, as tensor-
@@ -265,7 +260,6 @@ def variants() -> tuple[Variant, ...]:
   known = {v.name: v for v in (
       Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode, decode_activations="sharded"),
       Variant("fused_sharded", "auto", None, decode_activations="sharded"),
-      Variant("fused_owned_heads", "auto", None, owned_heads=True),
       Variant("fused_heads", "auto", None, cache_shards="heads"),
       Variant("bsp_heads", "xla_bsp", decode, decode_activations="replicated",
               cache_shards="heads"),

@@ -5,11 +5,10 @@ sequence across the devices of an axis: every device attends over its own
 slice, then the partial results are merged exactly with the log-sum-exp rule,
 so every device ends with the full attention output (or, `heads="own"`, with
 its own heads of it, as a tensor-parallel layer's output projection takes
-them).
+them). With `axis_name=None` each device holds its cache whole (e.g. a cache
+sharded by heads) and attends locally.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 
@@ -48,43 +47,19 @@ class Problem:
   process_reason: str | None = None
 
 
-_OWNED_HEADS = contextvars.ContextVar("owned_heads_kernel", default=False)
-
-
-@contextlib.contextmanager
-def owned_heads_kernel(enabled: bool = True):
-  """Inside the block (trace time), a call with heads="own" and no config
-  runs the kernel's heuristic config with `owned_heads` (each group's
-  partial sent to its owner only; experimental, not yet run on GPUs)
-  instead of computing every head and slicing. A measuring switch, as
-  `dispatch.kernels_wherever_they_run`: `benchmarks.transformer
-  --model_variants=fused_owned_heads` times the model's decode with it."""
-  token = _OWNED_HEADS.set(enabled)
-  try:
-    yield
-  finally:
-    _OWNED_HEADS.reset(token)
-
-
 def _kernel_config(p: Problem) -> kernel.FlashDecodeConfig:
-  """The caller's config, else the kernel's heuristic (with owned_heads
-  under `owned_heads_kernel` for heads="own")."""
+  """The caller's config, else the kernel's heuristic."""
   if p.config:
     return p.config
-  owned = p.heads == "own" and _OWNED_HEADS.get()
   return kernel.default_config(p.batch, p.kv_heads, p.q_heads, p.s_shard, p.head_dim, p.dtype,
-                               num_sms=platform.num_sms(),
-                               owned_over=p.axis_size if owned else None)
+                               num_sms=platform.num_sms())
 
 
 def _pallas_support(p: Problem) -> str | None:
   if reason := platform.hopper_unavailable_reason() or p.process_reason:
     return reason
-  config = _kernel_config(p)
-  if config.owned_heads and p.heads != "own":
-    return "config.owned_heads returns each device's own heads: call with heads='own'."
   return kernel.unsupported_reason(p.batch, p.q_heads, p.kv_heads, p.head_dim, p.s_shard,
-                                   p.dtype, config)
+                                   p.dtype, _kernel_config(p))
 
 
 def _pallas_bsp_support(p: Problem) -> str | None:
@@ -229,10 +204,9 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
     heads: "all": every device returns every query head; "own": the device
       at axis index i returns heads [i * Hq / D, (i + 1) * Hq / D), the
       query groups of its Hkv / D KV heads (Hkv a multiple of D), as a
-      tensor-parallel layer's output projection takes them. Every impl
-      computes all heads and keeps its own, but the kernel with
-      `config.owned_heads` (experimental; `owned_heads_kernel`), which
-      sends each group's partials to its owner only.
+      tensor-parallel layer's output projection takes them (every impl
+      computes all heads and keeps its own; sending each group's partials
+      to its owner only was level in the model's decode step, session 47).
 
   Returns:
     [B, Hq, Dh] in q's dtype ([B, Hq / D, Dh] with heads="own"),
@@ -260,10 +234,8 @@ def flash_decode(q, k, v, *, axis_name, kv_lens=None, scale=None,
     return lax.dynamic_slice_in_dim(out, lax.axis_index(axis_name) * n, n, axis=1)
 
   if choice.impl == "pallas":  # kv_lens=None: no lengths input, no masking
-    config = _kernel_config(problem)
-    out = kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
-                              config=config, num_sms=platform.num_sms())
-    return out if config.owned_heads else mine(out)
+    return mine(kernel.flash_decode(q, k, v, kv_lens, axis_name=axis_name, scale=scale,
+                                    config=_kernel_config(problem), num_sms=platform.num_sms()))
   if choice.impl == "pallas_bsp":
     return mine(decode_bsp.flash_decode(
         q, k, v, None if kv_lens is None else kv_lens.astype(jnp.int32), scale, axis_name))

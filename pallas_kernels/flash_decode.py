@@ -31,9 +31,7 @@ round trip before the next one starts (see `signals.signal`; the peers'
 semaphores behind one system-scope fence, `signals.signal_each`, with
 `one_fence`). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
-`receive_rows`). With `config.owned_heads` (experimental) a group's rows go
-to the device that owns its KV head only, at its row group there, and each
-device merges only its own groups into its Hq / D heads of the output.
+`receive_rows`).
 
 Phase 2, combine. Work item (merge tile, column chunk), on the blocks with
 the fewest phase-1 items: per source device, wait for its semaphore of the
@@ -136,31 +134,11 @@ class FlashDecodeConfig:
       v21, the default since session 35: on 4 H200s `publish` 12-14 -> 6-7
       kcyc, 7-9% faster per call at D = 4, level at D = 2 (within 1%),
       its GPU tests passing at D = 2 and 4 (benchmarks/NOTES.md).
-    last_step_mask: with kv_lens, mask the scores past the length in an
-      item's last K/V step only (a branch), not in every step: the others
-      lie wholly inside the length. In the model's decode step the kernel
-      took ~25 µs per layer over its local phase timed without kv_lens (4
-      H200s, session 45); the mask's iota, compare and select on every
-      step's scores are one suspect. Experimental: interpreter- and
-      lowering-tested, not yet run on GPUs.
-    stream: phase 1 over the flattened (batch, KV head, K/V step) space in
-      equal shares, one per block (stream-K), instead of whole items: with
-      more (batch, KV head) pairs than SMs, whole items leave the last wave
-      short (b32 x 8 KV heads over 8192 positions on 132 SMs: 2 items of 64
-      steps on most SMs where 124.1 steps would do, 3%). A pair's steps fall
-      in at most two shares: the first's into slot 0, the rest into slot 1
-      (an empty partial where one share holds the whole pair); needs
-      splits = 2. Experimental: interpreter- and lowering-tested, not yet run
-      on GPUs.
-    owned_heads: each device's output is its own Hq / D query heads (device
-      i: heads [i Hq / D, (i + 1) Hq / D), the groups of its Hkv / D KV
-      heads; Hkv a multiple of D), as a tensor-parallel model's next matmul
-      takes them: an item's partial goes to the device that owns its group
-      only, and each device merges only its own groups. The bytes a device
-      sends and receives stay (D - 1) / D of its partials at any D, where
-      delivering every group to every device moves D - 1 times its partials
-      each way. Not with `stream`. Experimental: interpreter- and
-      lowering-tested, not yet run on GPUs.
+
+  Tried and removed (session 47, benchmarks/NOTES.md): masking the scores in
+  an item's last K/V step only (the mask costs 0.1-0.4%, which that did not
+  recover), stream-K shares of phase 1 (1-2% slower), and partials sent only
+  to the device owning their heads (level in the model's decode step).
   """
   block_kv: int = 128
   splits: int = 1
@@ -169,9 +147,6 @@ class FlashDecodeConfig:
   merge_all: bool = False
   narrow_partials: bool = True
   one_fence: bool = True
-  last_step_mask: bool = False
-  stream: bool = False
-  owned_heads: bool = False
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
@@ -210,13 +185,11 @@ _MIN_SPLIT_STEPS = 8
 
 
 def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_dim: int,
-                   dtype, *, num_sms: int, owned_over: int | None = None) -> FlashDecodeConfig:
+                   dtype, *, num_sms: int) -> FlashDecodeConfig:
   """One wave of phase-1 items: the most splits (each a whole number of
   steps, at least `_MIN_SPLIT_STEPS` of them) with B * Hkv * splits <= the SM
   count; the deepest K/V ring (<= 4) that fits; combine columns halved (>= 16)
-  until the merge spreads over at least a quarter of the SMs. With
-  `owned_over` = D: `owned_heads`, the merge over this device's 1 / D of
-  the groups.
+  until the merge spreads over at least a quarter of the SMs.
 
   The floor on a split's steps: at 1 x 64 / 8 heads over 32768 positions on 4
   H200s (8192 per device, 64 steps), 16 splits of 4 steps took 40.1 µs, 8 of
@@ -228,16 +201,14 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
   items = batch * kv_heads
   splits = max(d for d in range(1, steps + 1) if steps % d == 0 and (
       d == 1 or (items * d <= num_sms and steps // d >= _MIN_SPLIT_STEPS)))
-  share = owned_over or 1
-  _, tiles = merge_tiles(batch, q_heads // share, kv_heads // share)
+  _, tiles = merge_tiles(batch, q_heads, kv_heads)
   cols = head_dim
   while cols > 16 and tiles * (head_dim // cols) < num_sms // 4:
     cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
   stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
       block_kv, splits, n, cols).smem_bytes(head_dim, itemsize) <= SMEM_BYTES])
-  return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols,
-                           owned_heads=owned_over is not None)
+  return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols)
 
 
 def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s_shard: int,
@@ -258,10 +229,6 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
             f" Hq / Hkv = {group} (Hq={q_heads}, Hkv={kv_heads}).")
   if config.block_kv % 64 or config.splits < 1 or config.stages < 2:
     return f"bad config {config}: block_kv % 64 == 0, splits >= 1, stages >= 2."
-  if config.stream and config.splits != 2:
-    return f"config.stream needs splits = 2 (a pair's two pieces), got {config.splits}."
-  if config.stream and config.owned_heads:
-    return "config.owned_heads does not run with config.stream."
   if head_dim % config.combine_cols or config.combine_cols % 16:
     return f"bad config {config}: combine_cols must divide Dh = {head_dim} and be a multiple of 16."
   if s_shard % (config.block_kv * config.splits):
@@ -281,10 +248,6 @@ _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet run on GPUs there), or None."""
-  for name in ("last_step_mask", "stream", "owned_heads"):
-    if getattr(config, name):
-      return (f"config.{name} is interpreter- and lowering-tested, not yet run on GPUs"
-              " (benchmarks/NOTES.md, sessions 45-46).")
   if config.merge_all and axis_size not in _MERGE_ALL_GPU_TESTED_AXIS_SIZES:
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
@@ -302,11 +265,6 @@ class Received:
       kernel computes them).
     lse: [D * splits, R, LSE_COLS] float32, likewise.
     index: the device whose output to compute, 0 <= index < D.
-
-  With `config.owned_heads` the kernel also returns what it would have
-  stored into each peer ("sent": o and lse of [D * splits, R, ...], slot
-  owner * splits + split; its own owner's slots unused), from which a test
-  builds every other device's `Received`.
   """
   o: jax.Array
   lse: jax.Array
@@ -353,11 +311,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     interpret: Mosaic GPU interpreter params (CPU testing), or None.
 
   Returns:
-    out [B, Hq, Dh] in q's dtype (with config.owned_heads [B, Hq / D, Dh],
-    this device's heads); with `received`, (out, recv_o, recv_lse), whose
-    slots me * splits + split hold this device's partials (with
-    config.owned_heads, of its own groups; then also sent_o, sent_lse:
-    `Received`).
+    out [B, Hq, Dh] in q's dtype; with `received`, (out, recv_o, recv_lse),
+    whose slots me * splits + split hold this device's partials.
   """
   b, hq, dh = q.shape
   _, s, hkv, _ = k.shape
@@ -370,21 +325,13 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   else:
     d = received.o.shape[0] // splits
   remote = exchange and d > 1
-  owned = config.owned_heads
-  if owned and hkv % d:
-    raise ValueError(f"config.owned_heads needs the KV heads (Hkv = {hkv}) to split over the"
-                     f" {d} devices: whole query groups per device.")
-  hkv_here = hkv // d if owned else hkv  # the KV heads whose groups this device merges
-  groups_here = b * hkv_here
-  sent = owned and not exchange  # the seam's record of the stores into peers
   chunk = s // splits
   partials = d * splits
-  rows = receive_rows(b, heads * hkv_here, hkv_here)
-  per_tile, tiles = merge_tiles(b, heads * hkv_here, hkv_here)
-  tail = groups_here - (tiles - 1) * per_tile  # groups in the last merge tile
+  rows = receive_rows(b, hq, hkv)
+  per_tile, tiles = merge_tiles(b, hq, hkv)
+  tail = b * hkv - (tiles - 1) * per_tile  # groups in the last merge tile
   col_chunks = dh // config.combine_cols
   items = b * hkv * splits
-  stream_shares_n = min(num_sms, b * hkv)  # config.stream's shares of phase 1
   merges = tiles * col_chunks
   grid = 1 if not exchange else min(num_sms, items + merges)
   dtype = q.dtype
@@ -404,18 +351,10 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         peers_in = entry.Entry(axis_name, d, me)
         pl.when(lax.axis_index("sm") == grid - 1)(peers_in.porter)
     else:
-      given_o, given_lse, out_ref, recv_o, recv_lse, *sent_refs = refs
+      given_o, given_lse, out_ref, recv_o, recv_lse = refs
       me = received.index
     sm = lax.axis_index("sm")
     peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
-
-    def destination(bh):
-      """(the device that merges group bh, the group's index there): with
-      config.owned_heads its KV head's owner, else every device (None)."""
-      if not owned:
-        return None, bh
-      batch, head = bh // hkv, lax.rem(bh, hkv)
-      return head // hkv_here, batch * hkv_here + lax.rem(head, hkv_here)
 
     @jax.named_scope("deliver")
     def deliver(o_smem, lse_smem, window, bh, slot, first, prev):
@@ -427,22 +366,14 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       stores these rows into the peers, whose semaphores `publish` raises at
       the block's next delivery or after its last: none waits for a remote
       round trip before the next one starts, and the local signal does not
-      wait for the remote stores. With config.owned_heads the rows go to the
-      group's owner only (here, or one peer). The seam: after the own rows,
-      the peers' rows from `received` (with owned_heads, the rows for a peer
-      into `sent` instead)."""
-      owner, local = destination(bh)
-      src, dst = pl.ds(window, group), pl.ds(local * group, group)
+      wait for the remote stores. The seam: after the own rows, the peers'
+      rows from `received`."""
+      src, dst = pl.ds(window, group), pl.ds(bh * group, group)
 
-      def store(o_to, lse_to, at=slot):
-        plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[at, dst])
-        plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[at, dst])
+      def store(o_to, lse_to):
+        plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
 
-      if owned:
-        deliver_owned(owner, local, store, slot, first, prev)
-        if not exchange:
-          pl.when(owner == me)(lambda: relay_all(slot, dst, o_smem, lse_smem))
-        return
       store(recv_o, recv_lse)
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
       if exchange:
@@ -456,38 +387,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                   plgpu.remote_ref(recv_lse, {axis_name: dev}))
         return
 
-      relay_all(slot, dst, o_smem, lse_smem)
-
-    def deliver_owned(owner, local, store, slot, first, prev):
-      """`deliver` with config.owned_heads: the rows into the owner's
-      receive buffers; its semaphore raised at once here, on a peer by the
-      block's next delivery or `publish`. The seam: a peer's rows into
-      `sent`."""
-      mine = owner == me
-      pl.when(mine)(lambda: store(recv_o, recv_lse))
-      if not exchange:
-        sent_o, sent_lse = sent_refs
-        pl.when(jnp.logical_not(mine))(
-            lambda: store(sent_o, sent_lse, owner * splits + lax.rem(slot, splits)))
-      # The local rows, and the block's earlier stores into a peer, have landed.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      if not exchange:
-        return
-      pl.when(mine)(lambda: signals.signal(ready.at[local // per_tile, me]))
-      if remote:
-        pl.when(jnp.logical_not(first))(lambda: publish(prev))
-        with jax.named_scope("wait_entry"):  # before the block's first store into a peer
-          pl.when(first)(peers_in.wait)
-        # A TMA store's peer must be computable on the host: one branch per peer.
-        for dev in peers:
-          pl.when(owner == dev)(lambda dev=dev: store(
-              plgpu.remote_ref(recv_o, {axis_name: dev}),
-              plgpu.remote_ref(recv_lse, {axis_name: dev})))
-
-    def relay_all(slot, dst, o_smem, lse_smem):
-      """The seam: the rows `dst` of slot `slot`'s split that every peer would
-      have stored here, copied from `received` into the receive buffers."""
-      def relay(peer, loaded):
+      def relay(peer, loaded):  # the seam: what peer `peer` would have stored
         peer_slot = peer * splits + lax.rem(slot, splits)
         plgpu.copy_gmem_to_smem(given_o.at[peer_slot, dst], o_smem.at[pl.ds(0, group)], loaded)
         plgpu.copy_gmem_to_smem(given_lse.at[peer_slot, dst], lse_smem.at[pl.ds(0, group)], loaded)
@@ -529,12 +429,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         acc, m, l = carry
         scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
         if kv_lens is not None:
-          def mask(scores):
-            pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
-                jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
-            return jnp.where(pos < length, scores, -jnp.inf)
-          scores = (lax.cond(idxs[0] == steps - 1, mask, lambda s: s, scores)
-                    if config.last_step_mask else mask(scores))
+          pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
+              jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+          scores = jnp.where(pos < length, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no NaN
         alpha = jnp.exp(m - shift)
@@ -566,27 +463,11 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       plgpu.commit_smem()
       deliver(o_smem, lse_smem, window, bh, me * splits + split, first, prev)
 
-    def deliver_empty(bh, first, prev, o_smem, lse_smem):
-      """An empty partial of group bh (zeros, lse -inf) into its slot 1 (config.stream)."""
-      if remote:  # the previous delivery's stores to the peers may still read the staging tiles
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = plgpu.layout_cast(jnp.zeros((ROWS, dh), o_smem.dtype), plgpu.Layout.WGMMA)
-      lse_smem[...] = lax.broadcast_in_dim(plgpu.layout_cast(
-          jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-          (ROWS, LSE_COLS), [0])
-      plgpu.commit_smem()
-      deliver(o_smem, lse_smem, q_window(bh)[1], bh, me * splits + 1, first, prev)
-
     def publish(bh):
       """Raises group bh's merge-tile semaphore on every peer (with
-      config.one_fence behind one fence; with config.owned_heads on its
-      owner, if a peer); the block's last stores of it there have landed."""
-      owner, local = destination(bh)
-      sem = lambda dev: plgpu.remote_ref(ready.at[local // per_tile, me], {axis_name: dev})
-      if owned:
-        for dev in peers:
-          pl.when(owner == dev)(lambda dev=dev: signals.signal(sem(dev), "sys"))
-        return
+      config.one_fence behind one fence); the block's last stores of it
+      there have landed."""
+      sem = lambda dev: plgpu.remote_ref(ready.at[bh // per_tile, me], {axis_name: dev})
       if config.one_fence:
         signals.signal_each([sem(dev) for dev in peers], "sys")
         return
@@ -607,7 +488,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     def merge(item, out_smem):
       """Phase 2: merge tile x column chunk = item, from all its partials."""
       tile, col = item // col_chunks, lax.rem(item, col_chunks)
-      groups = jnp.minimum(per_tile, groups_here - tile * per_tile)
+      groups = jnp.minimum(per_tile, b * hkv - tile * per_tile)
       cols = config.combine_cols
       tile_rows = pl.ds(tile * per_tile * group, ROWS)
       tile_cols = pl.ds(col * cols, cols)
@@ -679,9 +560,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def store_output(tile, out_smem, tile_cols):
-      """The tile's groups' G rows of out [B * Hq, Dh] (with
-      config.owned_heads [B * Hq / D, Dh]): one store when the groups are
-      unpadded (G = Gp, rows contiguous), else one per group."""
+      """The tile's groups' G rows of out [B * Hq, Dh]: one store when the
+      groups are unpadded (G = Gp, rows contiguous), else one per group."""
       first_row = tile * per_tile * heads
       if heads == group:
         def store(n):  # the tile's first n groups
@@ -694,7 +574,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           pl.when(tile == tiles - 1)(lambda: store(tail))
         return
       for i in range(per_tile):
-        @pl.when(tile * per_tile + i < groups_here)
+        @pl.when(tile * per_tile + i < b * hkv)
         def _():
           plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * group, heads)],
                                   out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
@@ -715,41 +595,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
 
       return sm < items, (sm + (items - 1 - sm) // grid * grid) // splits
 
-    def stream_shares(*scratch):
-      """config.stream: shares sm, sm + grid, ... of the pairs x steps K/V
-      steps, `per_share` each (the last one shorter), each pair's steps in a
-      share attended to as one piece; returns (whether the block delivered,
-      the last delivery's group)."""
-      steps_per_pair = s // config.block_kv
-      total = b * hkv * steps_per_pair
-      per_share = pl.cdiv(total, stream_shares_n)
-
-      def share(j, carry):
-        first_step = (sm + j * grid) * per_share
-        end = jnp.minimum(first_step + per_share, total)
-
-        def piece(bh, carry):
-          count, prev = carry
-          lo = jnp.maximum(first_step, bh * steps_per_pair) - bh * steps_per_pair
-          hi = jnp.minimum(end, (bh + 1) * steps_per_pair) - bh * steps_per_pair
-          batch, head = bh // hkv, lax.rem(bh, hkv)
-          local = s if kv_lens is None else jnp.clip(lens_ref[batch] - me * s, 0, s)
-          length = jnp.clip(local - lo * config.block_kv, 0, (hi - lo) * config.block_kv)
-          kv = (k_ref.at[batch, :, head], v_ref.at[batch, :, head], lambda i: (lo + i, 0))
-          attend(bh, jnp.where(lo == 0, 0, 1), kv, length, count == 0, prev, *scratch)
-          whole = (lo == 0) & (hi == steps_per_pair)
-          pl.when(whole)(lambda: deliver_empty(bh, False, bh, *scratch[-2:]))
-          return count + 1 + whole.astype(jnp.int32), bh
-
-        return lax.fori_loop(first_step // steps_per_pair,
-                             (end - 1) // steps_per_pair + 1, piece, carry)
-
-      count, last = lax.fori_loop(0, pl.cdiv(jnp.maximum(stream_shares_n - sm, 0), grid), share,
-                                  (jnp.int32(0), jnp.int32(0)))
-      return count > 0, last
-
     def phase1(*scratch):
-      delivered, last = (stream_shares if config.stream else whole_items)(*scratch)
+      delivered, last = whole_items(*scratch)
       if remote:
         @pl.when(delivered)
         @jax.named_scope("publish")
@@ -777,8 +624,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
 
   received_types = (jax.ShapeDtypeStruct((partials, rows, dh), config.partial_dtype(dtype)),
                     jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
-  out_types = (jax.ShapeDtypeStruct((b * heads * hkv_here, dh), dtype), *received_types,
-               *(received_types if sent else ()))
+  out_types = (jax.ShapeDtypeStruct((b * hq, dh), dtype), *received_types)
   inputs = (q_rows, k, v) + (() if kv_lens is None else (kv_lens.astype(jnp.int32),))
   if not exchange:
     inputs += (received.o, received.lse)
@@ -787,11 +633,10 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(skip_device_barrier=remote),
   )(*inputs)
-  out = out.reshape(b, heads * hkv_here, dh)
+  out = out.reshape(b, hq, dh)
   if exchange:
     # Every device merges the same partials in the same order: the output is
-    # replicated over the axis (with owned_heads each device's own heads:
-    # varying over it), and varies over the inputs' other axes.
+    # replicated over the axis, and varies over the inputs' other axes.
     axes = vma.varying_axes(q, k, v, *([] if kv_lens is None else [kv_lens]))
-    return vma.mark_varying(out, axes | {axis_name} if owned else axes - {axis_name})
+    return vma.mark_varying(out, axes - {axis_name})
   return (out, *buffers)

@@ -11,8 +11,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from jax_overlap import decode_bsp
-from jax_overlap.flash_decode import owned_heads_kernel
-from pallas_kernels import platform
 import testkit
 import reference
 from testkit import AXIS
@@ -156,26 +154,6 @@ def test_own_heads_are_checked_by_name():
     jax_overlap.explain_flash_decode(q, kv, kv, axis_size=4, heads="own")
   with pytest.raises(ValueError, match="heads='some': expected 'all'"):
     jax_overlap.explain_flash_decode(q, kv, kv, axis_size=2, heads="some")
-
-
-def test_owned_heads_kernel_is_an_opt_in_switch(monkeypatch):
-  """The kernel's owned_heads config (experimental) runs only under
-  `owned_heads_kernel` with heads="own", or with a caller's config, which
-  then needs heads="own"."""
-  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
-  monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  monkeypatch.setattr(platform, "device_kind", lambda: "NVIDIA H200")
-  q, kv = (jax.ShapeDtypeStruct((32, 64, 128), jnp.bfloat16),
-           jax.ShapeDtypeStruct((32, 8192, 8, 128), jnp.bfloat16))
-  explain = functools.partial(jax_overlap.explain_flash_decode, q, kv, kv, axis_size=4,
-                              impl="pallas")
-  assert explain(heads="own").caveat is None or "owned_heads" not in explain(heads="own").caveat
-  with owned_heads_kernel():
-    assert "config.owned_heads is interpreter- and lowering-tested" in explain(heads="own").caveat
-    assert explain().caveat is None or "owned_heads" not in explain().caveat  # heads="all"
-  owned = jax_overlap.FlashDecodeConfig(owned_heads=True)
-  with pytest.raises(ValueError, match="config.owned_heads returns each device's own heads"):
-    explain(config=owned)
 
 
 @pytest.mark.parametrize("case", CASES[1::2], ids=_case_id)

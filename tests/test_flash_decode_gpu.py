@@ -155,35 +155,31 @@ def test_config_variant_matches_float64_on_every_device_twice(case, field):
     _check_every_device(outs, want, dtype)
 
 
-@pytest.mark.experimental
 @pytest.mark.parametrize("batch", [None, 40], ids=["b6", "b40"])
 @pytest.mark.parametrize("case", CASES[:3], ids=_case_id)
-def test_owned_heads_give_each_device_its_heads_twice(case, batch):
-  """heads="own" with the kernel's owned_heads (`owned_heads_kernel`: each
-  group's partials into its owner only, each device merging its own
-  groups): device i's output is heads [i Hq / D, (i + 1) Hq / D) against
-  float64, ragged lengths, with several items per block (B = 40), two calls
-  (the second must not see the first one's signals)."""
-  from jax_overlap.flash_decode import owned_heads_kernel  # pylint: disable=import-outside-toplevel
+def test_local_kernel_over_a_cache_sharded_by_heads_twice(case, batch):
+  """axis_name=None, impl="pallas" (the kernel with no exchange) on every
+  device over its KV heads and every position (the model's cache by heads):
+  each device's heads against float64, ragged lengths, several items per
+  block (B = 40), two calls."""
   mesh = testkit.mesh_1d(D)
-  hq, _, _, s_shard, dtype = case
-  q, k, v = _inputs(D, case, "owned", batch=batch)
+  hq, hkv, _, s_shard, dtype = case
+  if hkv % D:
+    pytest.skip(f"Hkv = {hkv} does not split over {D} devices")
+  q, k, v = _inputs(D, case, "local", batch=batch)
   lens = np.resize(ragged_lens(D, s_shard), q.shape[0]).astype(np.int32)
+  q_spec, kv_spec = P(None, AXIS), P(None, None, AXIS)
 
   def body(q, k, v, kv_lens):
-    with owned_heads_kernel():
-      return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl="pallas",
-                                      heads="own")[None]
+    return jax_overlap.flash_decode(q, k, v, axis_name=None, kv_lens=kv_lens, impl="pallas")
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), KV_SPEC, KV_SPEC, P()),
-                            out_specs=P(AXIS)))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P()),
+                            out_specs=q_spec, check_vma=False))
   put = functools.partial(testkit.put, mesh)
-  want, n = reference.flash_decode(q, k, v, lens), hq // D
+  want = reference.flash_decode(q, k, v, lens)
   for _ in range(2):
-    outs = np.asarray(f(put(q, P()), put(k, KV_SPEC), put(v, KV_SPEC), put(lens, P())))
-    assert outs.shape == (D, q.shape[0], n, q.shape[2])
-    for i, out in enumerate(outs):
-      reference.assert_close(out, want[:, i * n:(i + 1) * n], dtype, what=f"device {i}'s heads")
+    out = np.asarray(f(put(q, q_spec), put(k, kv_spec), put(v, kv_spec), put(lens, P())))
+    reference.assert_close(out, want, dtype, what="every device's heads")
 
 
 def test_auto_picks_the_kernel():

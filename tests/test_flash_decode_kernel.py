@@ -81,16 +81,10 @@ CASES = [
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, narrow_partials=False)),
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
      fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
-    # The mask in each item's last step only (last_step_mask): lengths ending
-    # mid-block, at a block edge, zero, and past device 0's slice.
-    (5, 16, 4, 64, 128, 2, (256, 1, 130, 0, 200), BF16,
-     fd.FlashDecodeConfig(64, 1, 2, 32, last_step_mask=True)),
-    (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64,
-                                                                  last_step_mask=True)),
 ]
 
 
-def _run(case, index, given_o, given_lse, interpret, num_sms=132):
+def _run(case, index, given_o, given_lse, interpret):
   """Device `index`'s (out, recv_o, recv_lse) through the exchange seam."""
   b, hq, hkv, dh, s, d, lens, dtype, config = case
   rng = _rng(case[:6])
@@ -98,7 +92,7 @@ def _run(case, index, given_o, given_lse, interpret, num_sms=132):
              for shape in ((b, hq, dh), (b, d * s, hkv, dh), (b, d * s, hkv, dh)))
   mine = slice(index * s, (index + 1) * s)
   f = jax.jit(lambda q, k, v, n, o, lse: fd.flash_decode(
-      q, k, v, n, scale=1 / math.sqrt(dh), config=config, num_sms=num_sms,
+      q, k, v, n, scale=1 / math.sqrt(dh), config=config, num_sms=132,
       received=fd.Received(o, lse, index), interpret=interpret))
   outs = f(q, k[:, mine], v[:, mine], None if lens is None else np.asarray(lens, np.int32),
            given_o, given_lse)
@@ -119,8 +113,7 @@ def _own_slots(recv, index, splits):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
                          f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
-                         f"{'' if c[8].narrow_partials else '_f32_partials'}"
-                         f"{'_last_step_mask' if c[8].last_step_mask else ''}")
+                         f"{'' if c[8].narrow_partials else '_f32_partials'}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
@@ -128,95 +121,18 @@ def test_every_device_merges_to_the_float64_reference(case, interpreter):
   _check_merges(case, interpreter)
 
 
-# config.stream: (case, num_sms): more (batch, KV head) pairs than shares, so
-# that pairs fall in two shares (6 pairs of 4 steps in 4 shares of 6 steps;
-# 10 pairs of 2 steps in 3 shares of 7), lengths ending mid-share, zero, and
-# past device 0's slice.
-STREAM_CASES = [
-    ((3, 8, 2, 128, 256, 2, (512, 300, 37), BF16,
-      fd.FlashDecodeConfig(64, 2, 2, 64, stream=True)), 4),
-    ((5, 16, 2, 64, 128, 2, (256, 1, 130, 0, 200), F16,
-      fd.FlashDecodeConfig(64, 2, 2, 32, stream=True, last_step_mask=True)), 3),
-    ((3, 8, 2, 128, 256, 3, None, BF16, fd.FlashDecodeConfig(64, 2, 2, 64, stream=True)), 4),
-]
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case, num_sms", STREAM_CASES,
-                         ids=lambda c: f"b{c[0]}_D{c[5]}" if isinstance(c, tuple) else f"sms{c}")
-def test_stream_shares_merge_to_the_float64_reference(case, num_sms, interpreter):
-  """config.stream: phase 1 in equal shares of the pairs' K/V steps, a pair
-  split between two shares into slots 0 and 1 (or slot 1 empty), merged as
-  any two splits are."""
-  _check_merges(case, interpreter, num_sms)
-
-
-# config.owned_heads: (B, Hq, Hkv, Dh, S_shard, D, lens, dtype, config): GQA
-# with G = 4 and 8 (unpadded), G = 12 (padded to 16 rows), MHA (padded to 8),
-# 1-2 KV heads per device, merge tiles partly filled, splits 1-2, ragged and
-# zero lengths, no lengths, merge_all, D = 2 and 4.
-OWNED_CASES = [
-    (3, 16, 4, 64, 128, 2, (256, 1, 0), BF16, fd.FlashDecodeConfig(64, 2, 2, 32, owned_heads=True)),
-    (2, 32, 4, 128, 128, 4, (400, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 64, owned_heads=True)),
-    (5, 48, 4, 64, 128, 2, None, BF16, fd.FlashDecodeConfig(64, 2, 2, 16, owned_heads=True)),
-    (2, 4, 4, 64, 128, 4, (512, 300), BF16,
-     fd.FlashDecodeConfig(64, 2, 2, 32, merge_all=True, owned_heads=True)),
-]
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", OWNED_CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_D{c[5]}"
-                         f"{'_merge_all' if c[8].merge_all else ''}")
-def test_owned_heads_merge_each_devices_heads_to_the_float64_reference(case, interpreter):
-  """config.owned_heads: each device sends each group's partial to the
-  device owning its KV head only (the seam's `sent`), and merges only its
-  own groups into its Hq / D heads of the output."""
-  b, hq, hkv, dh, s, d, lens, dtype, config = case
-  splits, own_hkv = config.splits, hkv // d
-  rows = fd.receive_rows(b, hq // d, own_hkv)
-  shape = (d * splits, rows)
-  empty = (jnp.zeros(shape + (dh,), config.partial_dtype(dtype)),
-           jnp.full(shape + (fd.LSE_COLS,), -jnp.inf))
-  # Pass 1: what every device sends to every other.
-  sent = [_run(case, j, *empty, interpreter)[1][3:] for j in range(d)]
-  tol = 2e-2 if dtype == BF16 else 4e-3
-  for i in range(d):
-    given_o = jnp.concatenate([_own_slots(sent[j][0], i, splits) for j in range(d)])
-    given_lse = jnp.concatenate([_own_slots(sent[j][1], i, splits) for j in range(d)])
-    (q, k, v), (out, *_) = _run(case, i, given_o, given_lse, interpreter)
-    want = _reference(np.asarray(q, np.float32), np.asarray(k, np.float32),
-                      np.asarray(v, np.float32), np.full(b, d * s) if lens is None
-                      else np.asarray(lens), 1 / math.sqrt(dh))
-    heads = slice(i * hq // d, (i + 1) * hq // d)
-    assert out.shape == (b, hq // d, dh) and out.dtype == dtype
-    np.testing.assert_allclose(np.asarray(out, np.float64), want[:, heads],
-                               atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
-
-
-def test_owned_heads_need_whole_kv_heads_per_device_and_no_stream():
-  config = fd.FlashDecodeConfig(64, 2, 2, 32, owned_heads=True)
-  q, kv = jnp.zeros((1, 6, 64), BF16), jnp.zeros((1, 128, 3, 64), BF16)
-  shape = (2 * 2, fd.receive_rows(1, 6, 3))
-  with pytest.raises(ValueError, match=r"config.owned_heads needs the KV heads \(Hkv = 3\) to"
-                     " split over the 2 devices"):
-    fd.flash_decode(q, kv, kv, None, scale=0.1, config=config, num_sms=4, received=fd.Received(
-        jnp.zeros(shape + (64,), BF16), jnp.zeros(shape + (fd.LSE_COLS,)), 0))
-  assert "does not run with config.stream" in fd.unsupported_reason(
-      2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 2, stream=True, owned_heads=True))
-
-
-def _check_merges(case, interpreter, num_sms=132):
+def _check_merges(case, interpreter):
   b, hq, hkv, dh, s, d, lens, dtype, config = case
   assert fd.unsupported_reason(b, hq, hkv, dh, s, dtype, config) is None
   splits = config.splits
   # Pass 1: every device's own partials (the others' slots empty).
-  partials = [_run(case, i, *_empty_partials(case), interpreter, num_sms)[1][1:]
+  partials = [_run(case, i, *_empty_partials(case), interpreter)[1][1:]
               for i in range(d)]
   given_o = jnp.concatenate([_own_slots(o, i, splits) for i, (o, _) in enumerate(partials)])
   given_lse = jnp.concatenate([_own_slots(l, i, splits) for i, (_, l) in enumerate(partials)])
   chunk = s // splits
   rows = fd.padded_group(hq // hkv)
-  for i in range(d if not config.stream else 0):  # static splits: empty ones known
+  for i in range(d):
     for bi, n in enumerate(lens or ()):
       for split in range(splits):
         if n <= i * s + split * chunk:  # no valid position in this split
@@ -226,7 +142,7 @@ def _check_merges(case, interpreter, num_sms=132):
   tol = 2e-2 if dtype == BF16 else 4e-3  # P is rounded to the input dtype for the PV wgmma
   outs = []
   for i in range(d):
-    (q, k, v), (out, recv_o, _) = _run(case, i, given_o, given_lse, interpreter, num_sms)
+    (q, k, v), (out, recv_o, _) = _run(case, i, given_o, given_lse, interpreter)
     # As float32: NumPy matches NaNs (the rows past the last group, never
     # written) in place for float32, not for ml_dtypes' bfloat16.
     np.testing.assert_array_equal(np.asarray(_own_slots(recv_o, i, splits), np.float32),
@@ -296,34 +212,13 @@ def _cuda_module(d, dtype, dh, hq, b, s_total, **overrides) -> str:
   f = jax.jit(jax.shard_map(
       lambda q, k, v, n: fd.flash_decode(q, k, v, n, axis_name="x", scale=0.1, config=config,
                                          num_sms=132),
-      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec),
-      out_specs=jax.P(None, "x") if config.owned_heads else q_spec))  # owned: each its heads
+      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec), out_specs=q_spec))
   sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt,
                                                      sharding=jax.NamedSharding(mesh, spec))
   kv = sds((b, s_total, hkv, dh), dtype, kv_spec)
   exported = jax.export.export(f, platforms=["cuda"])(
       sds((b, hq, dh), dtype, q_spec), kv, kv, sds((b,), jnp.int32, q_spec))
   return exported.mlir_module()
-
-
-@pytest.mark.parametrize("overrides", [dict(last_step_mask=True), dict(stream=True, splits=2),
-                                       dict(stream=True, splits=2, last_step_mask=True),
-                                       dict(owned_heads=True)],
-                         ids=lambda o: "_".join(o))
-@pytest.mark.parametrize("d", [2, 4, 8])
-def test_experimental_phase1_configs_lower_for_cuda(d, overrides):
-  """The branch around the last step's mask, stream-K shares (each
-  delivery publishing the previous one to the peers), and the owned heads'
-  stores into one peer per group, lower for CUDA with
-  the exchange (the model's decode shape per device at D = 4: b32, 64 / 8
-  heads, 8192 positions)."""
-  module = _cuda_module(d, BF16, 128, 64, 32, 8192 * d, **overrides)
-  assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module
-  # owned_heads: one peer per group, its semaphore raised by a system-scope
-  # release add; else every peer's behind one fence (one_fence).
-  peer_signal = ("red.release.sys.global.add.u32" if overrides.get("owned_heads")
-                 else "fence.acq_rel.sys;")
-  assert "red.release.gpu" in module and peer_signal in module
 
 
 @pytest.mark.parametrize("d", [2, 4])
@@ -339,18 +234,6 @@ def test_default_config_fits_the_benchmark_shapes_in_one_wave(shape, d):
   # As many splits as the SMs and the steps allow: twice as many would not fit.
   double = 2 * config.splits
   assert steps % double or groups * double > 132 or steps // double < 8
-
-
-def test_default_config_with_owned_heads_spreads_the_smaller_merge():
-  """owned_over = D: each device merges 1 / D of the groups, so the merge's
-  columns narrow until its items still cover a quarter of the SMs (b32, 64 /
-  8 heads at D = 4: 8 tiles of 16 columns against 32 of 64)."""
-  args = (32, 8, 64, 8192, 128, BF16)
-  every = fd.default_config(*args, num_sms=132)
-  owned = fd.default_config(*args, num_sms=132, owned_over=4)
-  assert not every.owned_heads and every.combine_cols == 64
-  assert owned.owned_heads and owned.combine_cols == 16
-  assert dataclasses.replace(owned, owned_heads=False, combine_cols=64) == every
 
 
 @pytest.mark.parametrize("d,splits", [(1, 16), (2, 16), (4, 8), (8, 4)])
@@ -379,9 +262,6 @@ def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
   assert bad_cols is not None and "combine_cols" in bad_cols
   deep = fd.unsupported_reason(2, 8, 2, 128, 512, BF16, fd.FlashDecodeConfig(128, 2, 4))
   assert deep is not None and "shared memory" in deep
-  stream = fd.unsupported_reason(2, 8, 2, 128, 512, BF16,
-                                 fd.FlashDecodeConfig(128, 1, 2, stream=True))
-  assert "config.stream needs splits = 2" in stream
 
 
 def test_merge_ring_takes_as_many_partials_per_step_as_fit():
@@ -435,7 +315,3 @@ def test_experimental_configs_are_named(d):
   assert config.one_fence
   assert fd.experimental_reason(dataclasses.replace(config, one_fence=False),
                                 axis_size=d) is None
-  for name in ("last_step_mask", "stream"):
-    assert not getattr(config, name)
-    assert f"config.{name} is interpreter- and lowering-tested" in fd.experimental_reason(
-        dataclasses.replace(config, **{name: True}), axis_size=d)
