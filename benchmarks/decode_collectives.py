@@ -7,16 +7,15 @@
         [--matmul_shapes=32x2048x8192,32x7168x8192] [--out_dir=...]
 
 matmul_all_reduce (rows x K x N per device; the 70B-like decode step's o and
-down at D = 4 by default) runs seven cases: "xla" (XLA's matmul, then psum),
+down at D = 4 by default) runs six cases: "xla" (XLA's matmul, then psum),
 "unfused" (XLA's matmul, then the Lamport all-reduce kernel), "fused_n" and
 "fused_m" (the kernel with the all-reduce in its epilogue, its warpgroups
 side by side or stacked), "fused_n_fill" ("fused_n" with x's rows past its
-end zero-filled by TMA instead of padded: `pad_rows=False`), "fused_n_k2"
-(each column tile by a pair of blocks over halves of K: `k_splits=2`) and
-"gemm" (XLA's matmul alone, no exchange: the floor the exchange is hidden
-under). For it, "busy" is each device's kernel time per call in the chain
-(the matmul, the exchange and the chain's slice-and-scale), and its error is
-over the float64 sum of the products.
+end zero-filled by TMA instead of padded: `pad_rows=False`) and "gemm" (XLA's
+matmul alone, no exchange: the floor the exchange is hidden under). For it,
+"busy" is each device's kernel time per call in the chain (the matmul, the
+exchange and the chain's slice-and-scale), and its error is over the float64
+sum of the products.
 
 A kernel whose state is threaded through every call cannot be timed by
 calling one function on the same inputs again and again (CUPTI's
@@ -157,17 +156,14 @@ def _case(op, name, config, rows, cols, mesh, d) -> dict:
   return record
 
 
-MATMUL_CASES = ("xla", "unfused", "fused_n", "fused_n_fill", "fused_n_k2", "fused_m", "gemm")
+MATMUL_CASES = ("xla", "unfused", "fused_n", "fused_n_fill", "fused_m", "gemm")
 
 
 def _fused_config(case: str, rows: int, k: int, w) -> fused_kernel.MatmulAllReduceConfig:
   """The kernel's default tiles with the warpgroups side by side
-  ("fused_n"; "fused_n_fill": without pad_rows; "fused_n_k2": k_splits = 2)
-  or stacked ("fused_m")."""
-  _, split, *extra = case.split("_")
-  return fused_kernel.default_config(rows, k, w.shape[-1], wg_split=split,
-                                     pad_rows="fill" not in extra,
-                                     k_splits=2 if "k2" in extra else 1)
+  ("fused_n", "fused_n_fill": without pad_rows) or stacked ("fused_m")."""
+  _, split, *fill = case.split("_")
+  return fused_kernel.default_config(rows, k, w.shape[-1], wg_split=split, pad_rows=not fill)
 
 
 def _matmul_program(case: str, mesh, k: int, chain: int):

@@ -45,8 +45,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import gemm_core
 from pallas_kernels import lamport
-from pallas_kernels import platform
-from pallas_kernels import signals
 from pallas_kernels import vma
 
 KERNEL_NAME = "matmul_all_reduce"
@@ -73,17 +71,11 @@ class MatmulAllReduceConfig:
   rows against 56.7 over the same rows padded to 64, at 32 x 2048 x 8192
   10.3 against 9.2 (one H200, session 45).
 
-  k_splits: 1, or 2: each column tile is computed by a pair of blocks, each
-  over half of K (twice the blocks stream w: o's and down's 64 column tiles
-  leave half of an H100's or H200's SMs idle; the GEMM core split so ran the
-  down projection 15% faster, 37.1 -> 31.5 µs on one H200, session 45); the
-  second block of the pair hands its float32 half to the first through
-  global memory and a semaphore, and the first adds it to its own before the
-  exchange. Needs the pairs resident together: 2 N / cta_n <= the SMs.
-  Experimental: lowering-tested, not yet run on GPUs."""
+  Tried and removed (sessions 45-47, benchmarks/NOTES.md): each column tile
+  by a pair of blocks over halves of K (twice the blocks streaming w): level
+  at o on H200, slower at down on H100 (59.9-61.0 against 54.8-58.1 µs)."""
   tiles: gemm_core.GemmTiles
   pad_rows: bool = True
-  k_splits: int = 1
 
 
 def exchange_config(n: int, config: MatmulAllReduceConfig | None = None
@@ -93,28 +85,18 @@ def exchange_config(n: int, config: MatmulAllReduceConfig | None = None
   return lamport.LamportConfig(blocks=2 * (n // (config.tiles.cta_n if config else CTA_N)))
 
 
-def _slab_bytes(tiles: gemm_core.GemmTiles, k_splits: int = 1) -> int:
-  """Shared memory besides the core's ring: the warpgroups' results,
-  row-major bf16; split over K, also their float32 halves and the core's
-  epilogue tiles, which are float32 then (the core's out_dtype)."""
-  part = tiles.tile_m * tiles.tile_n
-  if k_splits == 1:
-    return 2 * part * 2
-  return 2 * part * (2 + 4) + 2 * tiles.epi_slots * tiles.epi_tile_m * tiles.epi_tile_n * 2
-
-
-def _smem_bytes(tiles: gemm_core.GemmTiles, k_splits: int) -> int:
-  return tiles.smem_bytes(2) + _slab_bytes(tiles, k_splits)
+def _slab_bytes(tiles: gemm_core.GemmTiles) -> int:
+  """Shared memory of the warpgroups' results, row-major bf16."""
+  return 2 * tiles.tile_m * tiles.tile_n * 2
 
 
 def default_config(rows: int, k: int, n: int, *, wg_split: str = "n",
-                   pad_rows: bool = True, k_splits: int = 1) -> MatmulAllReduceConfig:
+                   pad_rows: bool = True) -> MatmulAllReduceConfig:
   """CTA_N columns per block (wg_split "n": 64 rows, 128 past 64; "m": 64
   columns, two stacked warpgroups of 64 rows), the deepest ring that fits
-  shared memory (up to MAX_STAGES and the K steps of a block's part of K).
-  Side by side is the default: stacked took 27.2 against 22.7 µs at 32 x
-  2048 x 8192 and 67.2 against 54.9 at 32 x 7168 x 8192 (4 H100s, D = 4,
-  session 44)."""
+  shared memory (up to MAX_STAGES and the K steps). Side by side is the
+  default: stacked took 27.2 against 22.7 µs at 32 x 2048 x 8192 and 67.2
+  against 54.9 at 32 x 7168 x 8192 (4 H100s, D = 4, session 44)."""
   if wg_split == "m":
     tiles = gemm_core.GemmTiles(tile_m=64, tile_n=CTA_N // 2, wg_split="m", stages=2,
                                 epi_tile_m=64, epi_tile_n=64, epi_slots=1)
@@ -122,18 +104,18 @@ def default_config(rows: int, k: int, n: int, *, wg_split: str = "n",
     tiles = gemm_core.GemmTiles(tile_m=64 if rows <= 64 else 128, tile_n=CTA_N // 2,
                                 wg_split="n", stages=2, epi_tile_m=64, epi_tile_n=64,
                                 epi_slots=1)
-  k_steps = max(2, k // k_splits // tiles.tile_k)
-  while (tiles.stages < min(MAX_STAGES, k_steps) and _smem_bytes(
-      dataclasses.replace(tiles, stages=tiles.stages + 1), k_splits) <= gemm_core.SMEM_BYTES):
+  k_steps = max(2, k // tiles.tile_k)
+  while (tiles.stages < min(MAX_STAGES, k_steps) and
+         dataclasses.replace(tiles, stages=tiles.stages + 1).smem_bytes(2) + _slab_bytes(tiles)
+         <= gemm_core.SMEM_BYTES):
     tiles = dataclasses.replace(tiles, stages=tiles.stages + 1)
-  return MatmulAllReduceConfig(tiles, pad_rows, k_splits)
+  return MatmulAllReduceConfig(tiles, pad_rows)
 
 
 def unsupported_reason(rows: int, k: int, n: int, dtype, config: MatmulAllReduceConfig, *,
-                       axis_size: int, num_sms: int | None = None) -> str | None:
+                       axis_size: int) -> str | None:
   """None if the kernel runs x [rows, k] @ w [k, n] over `axis_size`
-  devices with `config`, else why not. `num_sms`: the GPU's SM count, which
-  `config.k_splits = 2` needs (its blocks must all be resident)."""
+  devices with `config`, else why not."""
   if jnp.dtype(dtype) != jnp.bfloat16:
     return f"the kernel exchanges bfloat16 products, got {jnp.dtype(dtype).name}."
   if axis_size < 2:
@@ -148,15 +130,9 @@ def unsupported_reason(rows: int, k: int, n: int, dtype, config: MatmulAllReduce
     # TMA's zero fill past x's rows needs them under 8 or a multiple of 8
     # (Mosaic GPU refused 100 rows on 4 H100s, session 44).
     return f"without pad_rows, rows must be at most 8 or a multiple of 8, got {rows}."
-  if config.k_splits not in (1, 2):
-    return f"config.k_splits must be 1 or 2, got {config.k_splits}."
-  if config.k_splits == 2 and (t.wg_split != "n" or num_sms is None
-                               or 2 * (n // t.cta_n) > num_sms):
-    return (f"config.k_splits = 2 needs the warpgroups side by side and its {2 * (n // t.cta_n)}"
-            f" blocks (2 N / cta_n) resident at once, at most num_sms = {num_sms}.")
-  if reason := t.unsupported_reason(t.cta_m, k // config.k_splits, n, 2):
+  if reason := t.unsupported_reason(t.cta_m, k, n, 2):
     return reason
-  if (need := _smem_bytes(t, config.k_splits)) > gemm_core.SMEM_BYTES:
+  if (need := t.smem_bytes(2) + _slab_bytes(t)) > gemm_core.SMEM_BYTES:
     return f"the tiles need {need} bytes of shared memory, more than {gemm_core.SMEM_BYTES}."
   return None
 
@@ -173,10 +149,8 @@ def init_state(rows: int, n: int, d: int, config: MatmulAllReduceConfig | None =
   return lamport.init_state(rows, n, d, exchange_config(n, config))
 
 
-def _thread_map(rows: int, n: int, tiles: gemm_core.GemmTiles,
-                k_splits: int = 1) -> lamport.ThreadMap:
-  """Compute warpgroup wg of column tile b (block b, or with k_splits = 2
-  block 2 b, which holds the tile's sum) is exchange block 2 b + wg; its thread
+def _thread_map(rows: int, n: int, tiles: gemm_core.GemmTiles) -> lamport.ThreadMap:
+  """Compute warpgroup wg of block b is exchange block 2 b + wg; its thread
   lt takes chunks lt, lt + 128, ... of the warpgroup's part of the tile
   (`GemmTiles` / `TileMatmul.warpgroup_part`: all rows and tile_n columns
   side by side, or its tile_m rows stacked, as far as `rows` reaches),
@@ -196,7 +170,6 @@ mov.u32 t, %tid.x;
 shr.u32 wg, t, 7;
 and.b32 lt, t, 127;
 mov.u32 lb, %ctaid.x;
-{"shr.u32 lb, lb, 1;" if k_splits == 2 else ""}
 mul.lo.u32 base, lb, {tiles.cta_n};
 {base}
 setp.ne.u32 second, wg, 0;
@@ -227,7 +200,7 @@ bra {label};
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *,
                       axis_name: str, index: int | None = None,
-                      config: MatmulAllReduceConfig | None = None, num_sms: int | None = None
+                      config: MatmulAllReduceConfig | None = None
                       ) -> tuple[jax.Array, lamport.LamportState]:
   """sum over `axis_name` of x @ w, on every device; inside `shard_map`.
 
@@ -244,8 +217,6 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *
     index: with a stacked w, the static index of the weight in it.
     config: None: `default_config(rows, K_shard, N)`; the state must have
       been made for the same config.
-    num_sms: the GPU's SM count, which bounds the blocks of `config.k_splits
-      = 2` (None: the default device's).
 
   Returns:
     (out, state): out [rows, N] bfloat16, the float32 sum over the devices,
@@ -260,93 +231,50 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *
   (rows, k), n = x.shape, w.shape[-1]
   stacked = gemm_core.weight_index(x, w, index)
   config = config or default_config(rows, k, n)
-  splits = config.k_splits
-  if num_sms is None and splits > 1:
-    num_sms = platform.num_sms()
-  if reason := unsupported_reason(rows, k, n, x.dtype, config, axis_size=d, num_sms=num_sms):
+  if reason := unsupported_reason(rows, k, n, x.dtype, config, axis_size=d):
     raise ValueError(reason)
   lamport.check_state(rows, n, d, state, exchange_config(n, config))
   tiles = config.tiles
-  tiles_n = n // tiles.cta_n
-  kc = k // splits  # a block's part of K
   x_rows = tiles.cta_m if config.pad_rows else rows  # A's rows in HBM
-  part_dtype = jnp.float32 if splits == 2 else x.dtype  # the core's result
-  core = gemm_core.TileMatmul(tiles, kc, x.dtype, part_dtype)
-  ptx = lamport.exchange_ptx(d, rows * n, _thread_map(rows, n, tiles, splits))
+  core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
+  ptx = lamport.exchange_ptx(d, rows * n, _thread_map(rows, n, tiles))
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + d))
   def exchange(_, *refs):
     mgpu.warpgroup_barrier()  # every thread's part of the result is in the slabs
     mgpu_utils.inline_ptx(ptx, *map(mgpu_utils.memref_ptr, refs), has_side_effects=True)
 
-  def body(x_ref, w_ref, buffers, counts, addresses, out_ref, *rest):
-    # Outputs 1-3 alias inputs 2-4; split over K, the last output holds the
-    # pairs' float32 halves.
+  def body(x_ref, w_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 2-4
     w_ref = w_ref.at[stacked] if stacked else w_ref
     me = lax.axis_index(axis_name)
     block = lax.axis_index("sm")
-    tile_idx, half = block // splits, lax.rem(block, splits)
     peers = [plgpu.remote_ref(buffers.at[me], {axis_name: j}) for j in range(d)]
-    if splits == 2:  # a pair's second block raises (tile, wg) once its half has landed
-      handed = pl.get_global(plgpu.SemaphoreType.REGULAR((tiles_n, 2)))
 
-    def tile(slabs, *halves, **scratch):
-      wg = lax.axis_index(gemm_core.WG_AXIS)
-
-      def reduce_and_exchange(result):
-        slabs[wg] = result
+    def tile(slabs, **scratch):
+      def epilogue(result):
+        slabs[lax.axis_index(gemm_core.WG_AXIS)] = result
         exchange(slabs, out_ref, buffers, counts, addresses, *peers)
 
-      def epilogue(result):
-        if splits == 1:
-          reduce_and_exchange(result)
-          return
-        (parts,), (smem, landed) = rest[-1:], halves
-
-        @pl.when(half == 1)
-        def _hand_over():
-          smem[wg] = result
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(smem.at[wg], parts.at[tile_idx, wg])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          signals.signal(handed.at[tile_idx, wg])
-
-        @pl.when(half == 0)
-        def _add_and_exchange():
-          pl.semaphore_wait(handed.at[tile_idx, wg], 1)
-          signals.async_proxy_fence()
-          plgpu.copy_gmem_to_smem(parts.at[tile_idx, wg], smem.at[wg], landed.at[wg])
-          plgpu.barrier_wait(landed.at[wg])
-          other = plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA)
-          reduce_and_exchange((result + other).astype(x.dtype))
-
       with jax.named_scope("tile"):
-        core(scratch, x_ref.at[:, pl.ds(half * kc, kc)],
-             w_ref.at[pl.ds(half * kc, kc), pl.ds(tile_idx * tiles.cta_n, tiles.cta_n)], None,
+        core(scratch, x_ref, w_ref.at[:, pl.ds(block * tiles.cta_n, tiles.cta_n)], None,
              epilogue=epilogue)
 
-    halves = () if splits == 1 else (
-        plgpu.SMEM((2, tiles.tile_m, tiles.tile_n), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=2))
-    pl.run_scoped(tile, plgpu.SMEM((2, tiles.tile_m, tiles.tile_n), x.dtype), *halves,
+    pl.run_scoped(tile, plgpu.SMEM((2, tiles.tile_m, tiles.tile_n), x.dtype),
                   collective_axes=gemm_core.WG_AXIS, **core.scratch(x_ref, w_ref))
 
   axes = vma.varying_axes(x, w, *state, axis_name=axis_name)
   out_type = jax.ShapeDtypeStruct(
       (rows, n), x.dtype,
       manual_axis_type=jax.typeof(x).manual_axis_type.update(varying=axes - {axis_name}))
-  mesh = plgpu.Mesh(grid=(tiles_n * splits,), grid_names=("sm",),
+  mesh = plgpu.Mesh(grid=(n // tiles.cta_n,), grid_names=("sm",),
                     num_threads=gemm_core.NUM_WARPGROUPS, thread_name=gemm_core.WG_AXIS,
                     kernel_name=KERNEL_NAME)
-  parts_type = () if splits == 1 else (jax.ShapeDtypeStruct(
-      (tiles_n, 2, tiles.tile_m, tiles.tile_n), jnp.float32,
-      manual_axis_type=out_type.manual_axis_type),)
   # As lamport's kernels: the state aliased in place through mpmd_map.
   out, *state = mpmd._mpmd_map(
-      [(mesh, body)], (out_type, *(jax.typeof(a) for a in state), *parts_type),
+      [(mesh, body)], (out_type, *(jax.typeof(a) for a in state)),
       input_output_aliases={2: 1, 3: 2, 4: 3}, scratch_types=(),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, skip_device_barrier=True),
       interpret=False, debug=False, cost_estimate=None, name=KERNEL_NAME, metadata=None,
   )(jnp.pad(x, ((0, x_rows - rows), (0, 0))), w, *state)
-  return out, lamport.LamportState(*state[:3])
+  return out, lamport.LamportState(*state)

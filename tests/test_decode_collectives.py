@@ -197,16 +197,15 @@ def test_kernel_ptx_assembles(d, gather, tmp_path):
   assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("wg_split, k_splits", [("n", 1), ("m", 1), ("n", 2)])
+@pytest.mark.parametrize("wg_split", ["n", "m"])
 @pytest.mark.parametrize("rows", [3, 32, 104])
 @pytest.mark.parametrize("d", [2, 4, 8])
-def test_matmul_kernel_ptx_assembles(d, rows, wg_split, k_splits, tmp_path):
+def test_matmul_kernel_ptx_assembles(d, rows, wg_split, tmp_path):
   """The matmul kernel's exchange (each warpgroup's part of its tile, read
   from shared memory) assembles for sm_90a."""
-  config = matmul_all_reduce.default_config(rows, 2048, 8192, wg_split=wg_split,
-                                            k_splits=k_splits)
-  body = lamport.exchange_ptx(d, rows * 8192, matmul_all_reduce._thread_map(
-      rows, 8192, config.tiles, k_splits))
+  config = matmul_all_reduce.default_config(rows, 2048, 8192, wg_split=wg_split)
+  body = lamport.exchange_ptx(d, rows * 8192,
+                              matmul_all_reduce._thread_map(rows, 8192, config.tiles))
   result = _assemble(body, d, tmp_path, shared_operand=True)
   assert result.returncode == 0, result.stderr
 
@@ -220,7 +219,7 @@ def _matmul_cuda_module(d, rows, k, n, layers, config):
     def per(x, w, state):
       out, state = matmul_all_reduce.matmul_all_reduce(
           x[0], w[0], lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS, index=index,
-          config=config, num_sms=132)
+          config=config)
       return out[None], lamport.LamportState(*(a[None] for a in state))
     return jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
                          out_specs=(P(AXIS), P(AXIS)))(x, w, state)
@@ -235,17 +234,15 @@ def _matmul_cuda_module(d, rows, k, n, layers, config):
       x, w, state).mlir_module()
 
 
-@pytest.mark.parametrize("wg_split, layers, k_splits", [
-    ("n", None, 1), ("n", 3, 1), ("m", 2, 1), ("n", None, 2), ("n", 3, 2)])
+@pytest.mark.parametrize("wg_split, layers", [("n", None), ("n", 3), ("m", 2)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers, k_splits):
+def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers):
   """One Mosaic GPU custom call (its layout inference and lowering run
-  here; split over K, the pairs' hand-over too), the state operands aliased
-  to its outputs, no XLA barrier, one exchange block per compute warpgroup
-  of a column tile in the state; a stacked weight reaches the kernel whole
-  (read at its index in place, not sliced)."""
+  here), the state operands aliased to its outputs, no XLA barrier, one
+  exchange block per compute warpgroup in the state; a stacked weight
+  reaches the kernel whole (read at its index in place, not sliced)."""
   rows, k, n = 32, 2048, 8192
-  config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split, k_splits=k_splits)
+  config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split)
   assert matmul_all_reduce.exchange_config(n, config).blocks == 2 * n // config.tiles.cta_n
   module = _matmul_cuda_module(d, rows, k, n, layers, config)
   calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
@@ -253,8 +250,7 @@ def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers, k_splits):
   assert "skip_device_barrier = true" in calls[0]
   aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)",
                        calls[0])
-  # Split over K, the pairs' semaphores (a `pl.get_global`) are operand and output 5.
-  assert sorted(aliases) == [("1", "2"), ("2", "3"), ("3", "4")] + [("5", "5")] * (k_splits == 2)
+  assert sorted(aliases) == [("1", "2"), ("2", "3"), ("3", "4")], aliases
   weight = f"tensor<{layers}x{k}x{n}xbf16>" if layers else f"tensor<{k}x{n}xbf16>"
   # x reaches the kernel padded with zero rows to the tile's (config.pad_rows).
   assert f"(tensor<{config.tiles.cta_m}x{k}xbf16>, {weight}" in calls[0], calls[0][:400]
@@ -266,19 +262,11 @@ def test_matmul_kernel_support_names_what_does_not_fit():
       matmul_all_reduce.unsupported_reason(
           rows, k, n, dtype,
           matmul_all_reduce.default_config(rows, k, n, wg_split=split, pad_rows=pad),
-          axis_size=d, num_sms=132))
+          axis_size=d))
   assert reason(32) is None and reason(3) is None and reason(128, split="m") is None
   assert reason(100) is None and reason(3, pad=False) is None and reason(32, pad=False) is None
   assert "without pad_rows, rows must be at most 8 or a multiple of 8, got 100" in reason(
       100, pad=False)
-  split = lambda n, k_splits=2, wg_split="n", num_sms=132: matmul_all_reduce.unsupported_reason(
-      32, 2048, n, jnp.bfloat16, matmul_all_reduce.default_config(
-          32, 2048, n, wg_split=wg_split, k_splits=k_splits), axis_size=4, num_sms=num_sms)
-  assert split(8192) is None and split(8192, k_splits=1, num_sms=None) is None
-  assert "its 256 blocks (2 N / cta_n) resident at once, at most num_sms = 132" in split(16384)
-  assert "at most num_sms = None" in split(8192, num_sms=None)
-  assert "warpgroups side by side" in split(4096, wg_split="m")
-  assert "k_splits must be 1 or 2, got 4" in split(8192, k_splits=4)
   assert "every row in one tile: 200 rows" in reason(200)
   assert "bfloat16 products, got float16" in reason(32, dtype=jnp.float16)
   assert "1 device" in reason(32, d=1)

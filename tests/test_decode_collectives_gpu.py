@@ -216,20 +216,19 @@ def test_matmul_all_reduce_repeated_calls(d, rows, k, n, index):
     np.testing.assert_array_equal(where, first, err_msg=f"buffers moved at call {call}")
 
 
-@pytest.mark.parametrize("wg_split, rows, pad_rows, k_splits", [
-    (split, rows, pad, 1) for split in ("n", "m") for rows in (32, 104) for pad in (True, False)
-] + [("n", 100, True, 1)] + [("n", rows, True, 2) for rows in (32, 100)])
+@pytest.mark.parametrize("wg_split, rows, pad_rows", [
+    (split, rows, pad) for split in ("n", "m") for rows in (32, 104) for pad in (True, False)
+] + [("n", 100, True)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_matmul_all_reduce_kernel_tiles(d, rows, wg_split, pad_rows, k_splits):
+def test_matmul_all_reduce_kernel_tiles(d, rows, wg_split, pad_rows):
   """The kernel itself with each tile layout (its warpgroups side by side or
   stacked, the second one's rows partly past `rows`), x padded to the tile's
-  rows or zero-filled by TMA (not a multiple of 8 rows: padded only), each
-  column tile by one block or a pair over halves of K, 6 threaded calls."""
+  rows or zero-filled by TMA (not a multiple of 8 rows: padded only), 6
+  threaded calls."""
   mesh = testkit.mesh_1d(d)
-  gen = testkit.rng("matmul_all_reduce_gpu_tiles", d, rows, wg_split, k_splits)
+  gen = testkit.rng("matmul_all_reduce_gpu_tiles", d, rows, wg_split)
   k, n = 1024, 2048
-  config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split, pad_rows=pad_rows,
-                                            k_splits=k_splits)
+  config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split, pad_rows=pad_rows)
 
   def per(x, w, state):
     out, state = matmul_all_reduce.matmul_all_reduce(x[0], w[0], _unstack(state), axis_name=AXIS,
