@@ -312,6 +312,7 @@ def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False,
                              for i, w in enumerate(words)),
                            "add.u64 a, $1, off;", f"st.global.v4.b32 [a], {vec};"])
   newline = "\n"
+  peer_regs = "".join(f", {r}" for r in dst) if stored_peers else ""
   if stored_peers:
     # Every thread reads the peers' buffers from its block's row; the first
     # checks that this device's own have not moved since `record_peers`
@@ -335,7 +336,7 @@ def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False,
 .reg .pred p, q, first;
 .reg .b32 spins, lb, lt, gt, cnt, slot, prev, t, s, z, w0, w1, w2, w3, u0, u1, v0, v1;
 .reg .f32 f, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7;
-.reg .b64 c, off, a, rot, old, row, cp{"".join(f", {r}" for r in dst if r.startswith("dst"))};
+.reg .b64 c, off, a, rot, old, row, cp{peer_regs};
 mov.b32 z, 0;
 {threads.setup}
 mad.lo.u32 gt, lb, {THREADS}, lt;
