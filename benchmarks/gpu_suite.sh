@@ -58,7 +58,8 @@ step gpu_tests python3 -m pytest -m "gpu and not experimental" tests -q --timeou
 # so they run here with the flag; the model's decode steps with them compile
 # their programs with the option (`transformer.jitted`) and ran in gpu_tests.
 step gpu_tests_lamport env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
-    python3 -m pytest -m gpu tests/test_decode_collectives_gpu.py -q --timeout="$TEST_TIMEOUT_S"
+    python3 -m pytest -m "gpu and not experimental" tests/test_decode_collectives_gpu.py -q \
+    --timeout="$TEST_TIMEOUT_S"
 step decode_collectives env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
     python3 -m benchmarks.decode_collectives --out_dir="$OUT"
 
