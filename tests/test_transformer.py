@@ -347,15 +347,17 @@ def test_auto_decode_activations_keep_a_batch_that_does_not_split_whole():
     transformer.decode_plan(CONFIG, axis_size=4, batch=6, activations="whole")
 
 
-@pytest.mark.parametrize("impl", ["auto", "pallas"])
-def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, monkeypatch):
+@pytest.mark.parametrize("impl, shards", [("auto", "positions"), ("pallas", "positions"),
+                                          ("auto", "heads")])
+def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, shards, monkeypatch):
   """Where the plan takes the Lamport kernels, `jitted`'s decode step
   compiles the step with XLA's dynamic-slice fusion off
   (`platform.jit_without_slice_fusion`) over replicated activations and
   hands it a cache holding `exchange_state`'s buffers (made on the first
   call); inside another jit it is traced there, where the fusion is on:
   both then take sharded activations ("pallas" through the collective
-  matmul kernels, which refuse this model's 2 rows per device by name)."""
+  matmul kernels, which refuse this model's 2 rows per device by name). A
+  cache by heads gets the sums' state only (no gather)."""
   platform = _fake_hopper(monkeypatch)
   built = []
 
@@ -366,14 +368,15 @@ def test_jitted_decode_step_makes_the_lamport_program_and_state(impl, monkeypatc
   monkeypatch.setattr(platform, "jit_without_slice_fusion", recorder)
   config, d, batch = transformer.MODELS["tiny"], 2, 4
   mesh, params, _, _ = _setup(d, config=config)
-  cache = transformer.empty_cache(config, LAYERS, batch, 16)
+  cache = transformer.empty_cache(config, LAYERS, batch, 16, shards)
   steps = transformer.jitted(config, axis_name=AXIS, mesh=mesh, impl=impl)
   tokens = np.zeros(batch, np.int32)
   with jax.set_mesh(mesh):
     what, handed = steps.decode_step(params, tokens, cache)
     assert what == "own program" and built == [("replicated", {"donate_argnums": (2,)})], built
-    assert handed.exchange is not None
+    assert handed.exchange is not None and handed.shards == shards
     assert handed.exchange.summed.counts.shape[0] == d
+    assert (handed.exchange.gathered is None) == (shards == "heads")
     traced = lambda: jax.eval_shape(steps.decode_step, params, tokens, cache)
     if impl == "auto":
       logits, out = traced()
