@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap import layers
 from jax_overlap import transformer
 import testkit
 from testkit import AXIS
@@ -479,10 +480,10 @@ def test_the_backward_layer_loop_holds_no_all_reduce(reverted, monkeypatch):
   """The norm scales' gradients are summed over the axis once, after the
   backward scan, not once per layer inside it (a per-layer all-reduce is a
   point where every device waits for the slowest). Traced at D = 2; with the
-  cast to varying undone (`_NORMS` empty) the per-layer sums come back, so
+  cast to varying undone (`layers.NORMS` empty) the per-layer sums come back, so
   the check can fail."""
   if reverted:
-    monkeypatch.setattr(transformer, "_NORMS", ())
+    monkeypatch.setattr(layers, "NORMS", ())
   mesh, params, _, _ = _setup(2, "no all-reduce")
   tokens = testkit.put(mesh, np.zeros((2, 8), np.int32), P())
   with jax.set_mesh(mesh):
@@ -507,9 +508,9 @@ def test_rms_norm_gradient_matches_autodiff():
   def plain(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
 
-  np.testing.assert_allclose(transformer._rms_norm(x, scale, 1e-5), plain(x, scale), rtol=1e-6)
+  np.testing.assert_allclose(layers.rms_norm(x, scale, 1e-5), plain(x, scale), rtol=1e-6)
   want = jax.vjp(plain, x, scale)[1](d_out)
-  got = jax.vjp(lambda x, s: transformer._rms_norm(x, s, 1e-5), x, scale)[1](d_out)
+  got = jax.vjp(lambda x, s: layers.rms_norm(x, s, 1e-5), x, scale)[1](d_out)
   for g, w, what in zip(got, want, ("x", "scale")):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=what)
 
@@ -525,9 +526,9 @@ def test_swiglu_gradient_matches_autodiff():
     gate, up = a[:, 0::2], a[:, 1::2]
     return jax.nn.silu(gate) * up
 
-  np.testing.assert_allclose(transformer._swiglu(gate_up), plain(gate_up), rtol=1e-6)
+  np.testing.assert_allclose(layers.swiglu(gate_up), plain(gate_up), rtol=1e-6)
   want = jax.vjp(plain, gate_up)[1](d_out)[0]
-  got = jax.vjp(transformer._swiglu, gate_up)[1](d_out)[0]
+  got = jax.vjp(layers.swiglu, gate_up)[1](d_out)[0]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
