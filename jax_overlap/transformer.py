@@ -527,6 +527,30 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
   return logits, KVCache(k, v, lengths.astype(jnp.int32), shards=cache_shards)
 
 
+def _check_cache_placement(cache: KVCache, axis_name: str) -> None:
+  """Raises ValueError where a placed cache array lies otherwise than
+  `cache.shards` says: the step would move the whole cache between the two
+  layouts at every call (an all-to-all of every layer's keys and values)."""
+  def normal(spec):  # trailing Nones and one-axis tuples do not change a spec
+    dims = [d[0] if isinstance(d, tuple) and len(d) == 1 else d for d in spec]
+    while dims and dims[-1] is None:
+      dims.pop()
+    return tuple(dims)
+
+  want = cache_specs(axis_name, 1, cache.shards).k[0]
+  for a in (*cache.k, *cache.v):
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+      continue  # traced in the caller's jit: its in_shardings decide
+    placed = a.sharding
+    if (isinstance(placed, jax.sharding.NamedSharding) and axis_name in placed.mesh.axis_names
+        and normal(placed.spec) != normal(want)):
+      raise ValueError(
+          f"cache: its arrays lie as {placed.spec}, but cache.shards={cache.shards!r} says"
+          f" {want}; every step would move the whole cache between the two. Make the"
+          " cache with `prefill(..., cache_shards=...)` or place `empty_cache(..., shards)`"
+          " as `cache_specs(..., shards)`.")
+
+
 def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, axis_name: str,
                 mesh=None, impl: str = "auto", decode_impl: str | None = None,
                 activations: str = "auto"):
@@ -592,6 +616,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
     raise ValueError(f"tokens: expected [B] with B a multiple of the axis size {d} (or"
                      f" activations='replicated'), and the cache's S_max = {s_max} a multiple"
                      f" of {d} (or a cache sharded by heads); got tokens {tuple(tokens.shape)}.")
+  _check_cache_placement(cache, axis_name)
   c = config
 
   def body(params, tokens, k_cache, v_cache, lengths, exchange):
@@ -723,6 +748,7 @@ def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = 
     """`decode_step(params, tokens, cache)` with `jitted`'s settings."""
     if isinstance(tokens, jax.core.Tracer):  # inside another jit: traced in its context
       return program(decode_activations, False)(params, tokens, cache)
+    _check_cache_placement(cache, axis_name)
     axis_size = sharded.resolve_mesh(mesh, axis_name, ())[0].shape[axis_name]
     p = plan(axis_size, tokens.shape[0], cache.shards)
     if p.exchange_kernel and cache.exchange is None:

@@ -199,6 +199,25 @@ def _check_prefill_and_decode(d, impl, activations, lengths, cache_shards="posit
     np.testing.assert_array_equal(cache.lengths, lengths + steps)
 
 
+def test_a_cache_placed_against_its_shards_is_refused():
+  """A cache whose arrays lie by positions while its `shards` says heads
+  (or the reverse) would be moved whole at every step: refused by name."""
+  d, batch = 2, 2
+  mesh, params, _, _ = _setup(d, "misplaced")
+  empty = transformer.empty_cache(CONFIG, LAYERS, batch, 8, "heads")
+  positions = transformer.cache_specs(AXIS, LAYERS, "positions")
+  with jax.set_mesh(mesh):
+    put = lambda arrays: tuple(testkit.put(mesh, np.asarray(a), spec)
+                               for a, spec in zip(arrays, positions.k))
+    cache = transformer.KVCache(put(empty.k), put(empty.v),
+                                testkit.put(mesh, np.asarray(empty.lengths), P()), shards="heads")
+    tokens = testkit.put(mesh, np.zeros(batch, np.int32), P())
+    for step in (functools.partial(transformer.decode_step, config=CONFIG, axis_name=AXIS),
+                 transformer.jitted(CONFIG, axis_name=AXIS).decode_step):
+      with pytest.raises(ValueError, match=r"cache.shards='heads' says .*cache_specs"):
+        step(params, tokens, cache)
+
+
 @pytest.mark.parametrize("shards", transformer.CACHE_SHARDS)
 def test_decode_from_an_empty_cache_matches_the_reference(shards):
   """Token by token from `empty_cache` filled with garbage (the lengths must
