@@ -36,7 +36,7 @@ metadata (`plgpu.remote_ref`), which XLA fills on the host at every launch of
 a collective kernel (a rendezvous of the devices' host threads and a copy to
 the device: ~20-30 µs of host time per launch, benchmarks/NOTES.md). As the
 buffers never move, `fresh_global_state(..., stored_peers=True)` records them
-once, in the state's own program (`record_peers`), and the kernels called
+once, in a program of their own (`record_peers`), and the kernels called
 with `stored_peers=True` read them from the state: plain kernels to XLA, with
 no metadata, rendezvous or copy. A state not so recorded, or a buffer that
 moved, traps.
@@ -135,15 +135,22 @@ def fresh_global_state(rows: int, cols: int, *, mesh, axis_name: str,
   sentinel, or the fill erases it (module doc).
   """
   d = mesh.shape[axis_name]
+  spec = jax.sharding.PartitionSpec(axis_name)
+  fresh = lambda: LamportState(*(a[None] for a in init_state(rows, cols, d, config)))
+  state = jax.block_until_ready(jax.jit(jax.shard_map(
+      fresh, mesh=mesh, in_specs=(), out_specs=spec))())
+  if not stored_peers:
+    return state
 
-  def fresh():
-    state = init_state(rows, cols, d, config)
-    if stored_peers:
-      state = record_peers(state, axis_name=axis_name)
+  # Recorded where the kernels will find the buffers: in a program of its own
+  # over the state donated, as every later call takes it (the buffers stay in
+  # place through it, as they do through a decode step).
+  def record(state):
+    state = record_peers(LamportState(*(a[0] for a in state)), axis_name=axis_name)
     return LamportState(*(a[None] for a in state))
 
   return jax.block_until_ready(jax.jit(jax.shard_map(
-      fresh, mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(axis_name)))())
+      record, mesh=mesh, in_specs=(spec,), out_specs=spec), donate_argnums=0)(state))
 
 
 def _pointer_row(lb: str, d: int) -> str:
@@ -154,9 +161,9 @@ def _pointer_row(lb: str, d: int) -> str:
 def record_peers(state: LamportState, *, axis_name: str) -> LamportState:
   """`state` with every block's row of addresses holding this device's
   buffers and its slot in each device's, as XLA's collective metadata gives
-  them (`plgpu.remote_ref`); inside `shard_map`, in the state's own program
-  (`fresh_global_state`). The kernels called with `stored_peers=True` read
-  the peers' from there."""
+  them (`plgpu.remote_ref`); inside `shard_map`, the state donated to a
+  program of its own (`fresh_global_state`). The kernels called with
+  `stored_peers=True` read the peers' from there."""
   d = lax.axis_size(axis_name)
   ptx = record_ptx(d)
 

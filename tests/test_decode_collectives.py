@@ -219,20 +219,24 @@ def test_kernel_ptx_assembles(d, gather, stored_peers, tmp_path):
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])
-def test_record_peers_lowers_for_cuda_in_the_states_own_program(d, tmp_path):
-  """`fresh_global_state(..., stored_peers=True)`'s program: the sentinel
-  fill, then one collective Mosaic GPU kernel (XLA's metadata: the peers'
-  buffers) writing every block's row of addresses, the state aliased in
-  place; its PTX assembles."""
+def test_record_peers_lowers_for_cuda_over_the_donated_state(d, tmp_path):
+  """`fresh_global_state(..., stored_peers=True)`'s recording program: one
+  collective Mosaic GPU kernel (XLA's metadata: the peers' buffers) writing
+  every block's row of addresses, the donated state aliased in place; its
+  PTX assembles."""
   mesh = jax.make_mesh((d,), (AXIS,))
+  sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
   rows, cols = 32, 8192
 
-  def fresh():
-    state = lamport.record_peers(lamport.init_state(rows, cols, d), axis_name=AXIS)
+  def record(state):
+    state = lamport.record_peers(lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS)
     return lamport.LamportState(*(a[None] for a in state))
 
+  state = lamport.LamportState(*(jax.ShapeDtypeStruct((d, *s.shape), s.dtype, sharding=sharding)
+                                 for s in lamport.state_shapes(rows, cols, d)))
   module = jax.export.export(jax.jit(jax.shard_map(
-      fresh, mesh=mesh, in_specs=(), out_specs=P(AXIS))), platforms=["cuda"])().mlir_module()
+      record, mesh=mesh, in_specs=(P(AXIS),), out_specs=P(AXIS)), donate_argnums=0),
+      platforms=["cuda"])(state).mlir_module()
   calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
   assert len(calls) == 1, calls
   assert "uses_xla_collective_metadata = true" in calls[0]
