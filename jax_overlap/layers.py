@@ -116,7 +116,7 @@ class ReplicatedOps(Ops):
   is a local matmul, the row-parallel one a matmul whose products are summed
   over the axis in x's dtype (as the BSP reduce-scatter's partials are),
   through `matmul_sum`. A layer then exchanges three times (the heads'
-  gather, o's and down's sums) instead of five."""
+  gather, o's and down's sums; two over a cache by heads) instead of five."""
   matmul_sum: Callable[[jax.Array, LayerWeight], jax.Array] | None = None
 
   def column(self, x, w):
