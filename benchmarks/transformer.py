@@ -99,9 +99,7 @@ _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused (`auto`, the decode step's"
     " activations by `transformer.decode_plan`), bsp, fused_sharded (fused, the decode step over"
     " sharded activations), fused_heads and bsp_heads (the decode step over a KV cache sharded"
-    " by heads: local attention, no exchange of partials), fused_stored and fused_heads_stored"
-    " (fused, fused_heads with the exchange kernels reading the peers' buffers from their"
-    " states: `decode_collectives.stored_peers`), fused_entry (fused with the matmul"
+    " by heads: local attention, no exchange of partials), fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
     " fused_replicated and bsp_replicated (the decode step over replicated activations),"
@@ -209,9 +207,7 @@ class Variant:
   (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
   whether its matmul sums run unfused (`decode_collectives.
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
-  (`decode_matmul.xla_only`), how the decode step's KV cache is sharded
-  (`transformer.KVCache.shards`), whether the exchange kernels read the
-  peers' buffers from their states (`decode_collectives.stored_peers`),
+  (`decode_matmul.xla_only`), how the decode step's KV cache is sharded (`transformer.KVCache.shards`),
   and XLA compile options ((name, value) pairs)."""
   name: str
   impl: str
@@ -222,7 +218,6 @@ class Variant:
   unfused_sums: bool = False
   xla_columns: bool = False
   cache_shards: str = "positions"
-  stored_peers: bool = False
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
@@ -235,8 +230,7 @@ class Variant:
     no_fusion = dict(self.compiler_options).get(_NO_SLICE_FUSION[0][0]) is False
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
         self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
-            decode_matmul.xla_only(self.xla_columns)), decode_collectives.stored_peers(
-                self.stored_peers), (
+            decode_matmul.xla_only(self.xla_columns)), (
             platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
       yield
 
@@ -251,10 +245,7 @@ def variants() -> tuple[Variant, ...]:
   bsp_heads (the decode step over a KV cache sharded by heads: attention
   local, no exchange of partials nor gather of the step's heads; bsp_heads
   over replicated activations, two XLA all-reduces per layer, as tensor-
-  parallel serving decodes), fused_stored / fused_heads_stored (fused /
-  fused_heads with the exchange kernels reading the peers' buffers from
-  their states, no collective metadata: `decode_collectives.stored_peers`),
-  fused_entry (fused, the kernels meeting
+  parallel serving decodes), fused_entry (fused, the kernels meeting
   inside), fused_kernels (fused, `auto` taking the kernels wherever they
   run, e.g. at the decode-size matmuls that its tables give BSP),
   fused_replicated / bsp_replicated (the decode step over replicated
@@ -272,8 +263,6 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused_heads", "auto", None, cache_shards="heads"),
       Variant("bsp_heads", "xla_bsp", decode, decode_activations="replicated",
               cache_shards="heads"),
-      Variant("fused_stored", "auto", None, stored_peers=True),
-      Variant("fused_heads_stored", "auto", None, cache_shards="heads", stored_peers=True),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
       Variant("fused_replicated", "auto", None, decode_activations="replicated"),

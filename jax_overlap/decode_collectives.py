@@ -76,8 +76,7 @@ def _fresh_global_state(rows, cols, axis_name, mesh, config) -> ExchangeState:
   if mesh is None:  # no inputs to reshard: any mesh given will do
     mesh, _ = sharded.resolve_mesh(None, axis_name, ())
   _validate.check_mesh_axes("axis_name", (axis_name,), mesh)
-  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name, config=config,
-                                    stored_peers=_STORED.get())
+  return lamport.fresh_global_state(rows, cols, mesh=mesh, axis_name=axis_name, config=config)
 
 
 def state_shapes(rows: int, cols: int, axis_size: int) -> ExchangeState:
@@ -132,36 +131,9 @@ def _measured(p: Problem) -> str | None:
   return None
 
 
-_STORED = contextvars.ContextVar("stored_peers", default=False)
-
-
-@contextlib.contextmanager
-def stored_peers(enabled: bool = True):
-  """Inside the block, the kernels read the peers' buffers from their
-  state instead of XLA's collective metadata (`pallas_kernels.lamport`,
-  `stored_peers`): to XLA they are plain kernels, with no host-side
-  rendezvous and copy at each launch (~20-30 µs of host time per collective
-  launch, which left an 8B-like decode step's GPUs idle for 1.1 of its 2.6
-  ms: 4 H100s, session 47); and `fresh_state`, `fresh_matmul_state` and the
-  model's `exchange_state` record them in the states they make. Trace the
-  calls and make their states inside it. Experimental (a measuring switch:
-  `benchmarks.transformer --model_variants=fused_heads_stored`):
-  lowering-tested, not yet run on GPUs."""
-  token = _STORED.set(enabled)
-  try:
-    yield
-  finally:
-    _STORED.reset(token)
-
-
-def _stored_caveat(_) -> str | None:
-  return ("experimental: the peers' buffers read from the state (stored_peers), not yet run on"
-          " GPUs" if _STORED.get() else None)
-
-
 def _op(name: str) -> dispatch.Op:
   return dispatch.Op(name, {
-      "pallas": dispatch.Impl(_pallas_support, _measured, _stored_caveat),
+      "pallas": dispatch.Impl(_pallas_support, _measured),
       "xla": dispatch.Impl()}, ("pallas", "xla"))
 
 
@@ -218,7 +190,7 @@ _MATMUL_ALL_REDUCE = dispatch.Op("matmul_all_reduce", {
     "pallas": dispatch.Impl(
         _matmul_support, _measured,
         lambda p: ("unfused: XLA's matmul, then pallas_kernels.lamport's all-reduce"
-                   if _UNFUSED.get() else _stored_caveat(p))),
+                   if _UNFUSED.get() else None)),
     "xla": dispatch.Impl()}, ("pallas", "xla"))
 
 
@@ -296,7 +268,7 @@ def all_reduce(x, state=None, *, axis_name, impl: str = "auto"):
       an impl that cannot run here.
   """
   if _choose(_ALL_REDUCE, x, state, axis_name, impl) == "pallas":
-    return lamport.all_reduce(x, state, axis_name=axis_name, stored_peers=_STORED.get())
+    return lamport.all_reduce(x, state, axis_name=axis_name)
   return lax.psum(x, axis_name), state
 
 
@@ -314,7 +286,7 @@ def all_gather(x, state=None, *, axis_name, impl: str = "auto"):
   Raises: as for `all_reduce`.
   """
   if _choose(_ALL_GATHER, x, state, axis_name, impl) == "pallas":
-    return lamport.all_gather(x, state, axis_name=axis_name, stored_peers=_STORED.get())
+    return lamport.all_gather(x, state, axis_name=axis_name)
   return lax.all_gather(x, axis_name, tiled=True), state
 
 
@@ -357,9 +329,8 @@ def matmul_all_reduce(x, w, state=None, *, axis_name, impl: str = "auto",
   choice = _MATMUL_ALL_REDUCE.choose(impl, dispatch.in_processes(
       _bind_matmul(x, w, state, _validate.bound_axis_size(axis_name), index), axis_name))
   if choice.impl == "pallas" and not _UNFUSED.get():
-    return fused_kernel.matmul_all_reduce(x, w, state, axis_name=axis_name, index=index,
-                                          stored_peers=_STORED.get())
+    return fused_kernel.matmul_all_reduce(x, w, state, axis_name=axis_name, index=index)
   product = jnp.dot(x, w if index is None else w[index], preferred_element_type=x.dtype)
   if choice.impl == "pallas":
-    return lamport.all_reduce(product, state, axis_name=axis_name, stored_peers=_STORED.get())
+    return lamport.all_reduce(product, state, axis_name=axis_name)
   return lax.psum(product, axis_name), state

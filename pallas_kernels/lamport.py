@@ -30,26 +30,14 @@ sentinel that runs after a faster peer's first store erases it. XLA skips its
 cross-device barrier before the launch: there are no semaphores for it to
 zero.
 
-Where the peers' buffers are (`stored_peers`, experimental: lowering-tested,
-not yet run on GPUs): by default each launch takes them from XLA's collective
-metadata (`plgpu.remote_ref`), which XLA fills on the host at every launch of
-a collective kernel (a rendezvous of the devices' host threads and a copy to
-the device: ~20-30 µs of host time per launch, benchmarks/NOTES.md). As the
-buffers never move, `fresh_global_state(..., stored_peers=True)` records them
-once, in a program of their own (`record_peers`), and the kernels called
-with `stored_peers=True` read them from the state: plain kernels to XLA, with
-no metadata, rendezvous or copy. A state not so recorded, or a buffer that
-moved, traps.
-
 Shapes (per device, inside `shard_map` over `axis_name` of size d):
   x: [rows, cols] bfloat16, rows * cols a multiple of 8; the all-reduce's
     output [rows, cols], the all-gather's [d * rows, cols] (tiled, device
     order).
   LamportState.buffers: [d, 3, rows * cols] bfloat16 (source, rotation,
     element); LamportState.counts: [blocks * 128] int32 (each thread's call
-    count); LamportState.addresses: [blocks, 2 * (d + 1)] int32 (per block,
-    as 64-bit pairs: this device's buffers, then its slot in each device's,
-    at the block's last call or as `record_peers` found them).
+    count); LamportState.addresses: [blocks, 2 * (d + 1)] int32 (the buffers'
+    addresses at each block's last call).
 """
 
 from __future__ import annotations
@@ -67,7 +55,6 @@ import jax.numpy as jnp
 from pallas_kernels import vma
 
 KERNEL_NAMES = {False: "lamport_all_reduce", True: "lamport_all_gather"}  # by `gather`
-RECORD_KERNEL_NAME = "lamport_record_peers"
 SENTINEL_BITS = 0x8000  # bfloat16 -0.0
 ROTATION = 3
 THREADS = 128  # one warpgroup per block
@@ -124,89 +111,18 @@ def init_state(rows: int, cols: int, d: int,
 
 
 def fresh_global_state(rows: int, cols: int, *, mesh, axis_name: str,
-                       config: LamportConfig | None = None,
-                       stored_peers: bool = False) -> LamportState:
+                       config: LamportConfig | None = None) -> LamportState:
   """`init_state` for every device of `mesh`'s axis `axis_name`, global
-  view: each array stacked over the axis's devices and sharded over it;
-  with `stored_peers`, the peers' buffers recorded in it (`record_peers`).
+  view: each array stacked over the axis's devices and sharded over it.
 
   Made in a program of its own and returned once every device holds it: a
   peer's first store must not land before this device's fill of the
   sentinel, or the fill erases it (module doc).
   """
   d = mesh.shape[axis_name]
-  spec = jax.sharding.PartitionSpec(axis_name)
   fresh = lambda: LamportState(*(a[None] for a in init_state(rows, cols, d, config)))
-  state = jax.block_until_ready(jax.jit(jax.shard_map(
-      fresh, mesh=mesh, in_specs=(), out_specs=spec))())
-  if not stored_peers:
-    return state
-
-  # Recorded where the kernels will find the buffers: in a program of its own
-  # over the state donated, as every later call takes it (the buffers stay in
-  # place through it, as they do through a decode step).
-  def record(state):
-    state = record_peers(LamportState(*(a[0] for a in state)), axis_name=axis_name)
-    return LamportState(*(a[None] for a in state))
-
   return jax.block_until_ready(jax.jit(jax.shard_map(
-      record, mesh=mesh, in_specs=(spec,), out_specs=spec), donate_argnums=0)(state))
-
-
-def _pointer_row(lb: str, d: int) -> str:
-  """PTX setting `row` to block `lb`'s row of the addresses ($4)."""
-  return f"mul.wide.u32 row, {lb}, {8 * (d + 1)};\nadd.u64 row, $4, row;"
-
-
-def record_peers(state: LamportState, *, axis_name: str) -> LamportState:
-  """`state` with every block's row of addresses holding this device's
-  buffers and its slot in each device's, as XLA's collective metadata gives
-  them (`plgpu.remote_ref`); inside `shard_map`, the state donated to a
-  program of its own (`fresh_global_state`). The kernels called with
-  `stored_peers=True` read the peers' from there."""
-  d = lax.axis_size(axis_name)
-  ptx = record_ptx(d)
-
-  def body(buffers, counts, addresses, *_):  # outputs 0-2 alias inputs 0-2
-    peers = peer_refs(buffers, axis_name, d, stored_peers=False)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + d))
-    def run(_, *refs):
-      mgpu_utils.inline_ptx(ptx, *map(mgpu_utils.memref_ptr, refs), has_side_effects=True)
-
-    # The operand layout of `exchange_ptx`: $2 buffers, $4 addresses, $5.. peers.
-    run(buffers, buffers, buffers, counts, addresses, *peers)
-
-  mesh = plgpu.Mesh(grid=(state.addresses.shape[0],), grid_names=("block",),
-                    kernel_name=RECORD_KERNEL_NAME)
-  return LamportState(*mpmd._mpmd_map(
-      [(mesh, body)], tuple(jax.typeof(a) for a in state),
-      input_output_aliases={0: 0, 1: 1, 2: 2}, scratch_types=(),
-      compiler_params=plgpu.CompilerParams(skip_device_barrier=True),
-      interpret=False, debug=False, cost_estimate=None, name=RECORD_KERNEL_NAME,
-      metadata=None,
-  )(*state))
-
-
-def record_ptx(d: int) -> str:
-  """`record_peers`' PTX: each block's first thread writes the block's row
-  of addresses ($4): this device's buffers ($2), then its slot in each
-  device's ($5..), as `exchange_ptx` (its operand layout) checks them."""
-  words = [f"mov.b64 {{v0, v1}}, {ptr};\nst.global.v2.b32 [row+{8 * k}], {{v0, v1}};"
-           for k, ptr in enumerate(["$2", *(f"${5 + j}" for j in range(d))])]
-  newline = "\n"
-  return f"""{{
-.reg .pred p;
-.reg .b32 lb, t, v0, v1;
-.reg .b64 row;
-mov.u32 t, %tid.x;
-setp.ne.u32 p, t, 0;
-@p bra RECORDED;
-mov.u32 lb, %ctaid.x;
-{_pointer_row("lb", d)}
-{newline.join(words)}
-RECORDED:
-}}"""
+      fresh, mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(axis_name)))())
 
 
 def check_state(rows: int, cols: int, d: int, state: LamportState,
@@ -266,8 +182,7 @@ def flat_thread_map(length: int, blocks: int) -> ThreadMap:
                    load="add.u64 a, $0, off;\nld.global.nc.v4.b32 {w0, w1, w2, w3}, [a];")
 
 
-def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False,
-                 stored_peers: bool = False) -> str:
+def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False) -> str:
   """The exchange, per thread: each of the thread's chunks of the operand
   (-0.0 made +0.0) stored into this device's slot of every device's buffer
   of this call's rotation, the buffer of call t + 2 refilled with the
@@ -275,14 +190,12 @@ def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False,
   and summed in float32 in device order (`gather`: copied to the source's
   block of the output). Operands: $0 the operand (as `threads.load` reads
   it), $1 out, $2 this device's buffers, $3 counts, $4 addresses, $5.. each
-  device's buffers from this device's slot on (d of them; with
-  `stored_peers` none: read from the block's row of addresses, which
-  `record_peers` filled)."""
+  device's buffers from this device's slot on (d of them)."""
   rotation_bytes = length * 2
   source_bytes = ROTATION * rotation_bytes
   words = ("w0", "w1", "w2", "w3")
   vec = "{w0, w1, w2, w3}"
-  dst = [f"dst{j}" if stored_peers else f"${5 + j}" for j in range(d)]
+  dst = [f"${5 + j}" for j in range(d)]
 
   def has_sentinel() -> str:
     lines = []
@@ -318,32 +231,17 @@ def exchange_ptx(d: int, length: int, threads: ThreadMap, gather: bool = False,
                            *(f"cvt.rn.bf16x2.f32 {w}, acc{2 * i + 1}, acc{2 * i};"
                              for i, w in enumerate(words)),
                            "add.u64 a, $1, off;", f"st.global.v4.b32 [a], {vec};"])
+  check = [f"ld.global.v2.b32 {{u0, u1}}, [row+{8 * k}];\n"
+           f"mov.b64 {{v0, v1}}, {ptr};\n"
+           "setp.ne.or.b32 q, u0, v0, q;\nsetp.ne.or.b32 q, u1, v1, q;\n"
+           f"st.global.v2.b32 [row+{8 * k}], {{v0, v1}};"
+           for k, ptr in enumerate(["$2", *dst])]
   newline = "\n"
-  peer_regs = "".join(f", {r}" for r in dst) if stored_peers else ""
-  if stored_peers:
-    # Every thread reads the peers' buffers from its block's row; the first
-    # checks that this device's own have not moved since `record_peers`
-    # (a state it never recorded holds zeros there, and traps too).
-    peers = newline.join(f"ld.global.v2.b32 {{u0, u1}}, [row+{8 * (j + 1)}];\n"
-                         f"mov.b64 dst{j}, {{u0, u1}};" for j in range(d))
-    check = [f"{_pointer_row('lb', d)}\n{peers}\n@!first bra CHECKED;\n"
-             "ld.global.v2.b32 {u0, u1}, [row];\nmov.b64 {v0, v1}, $2;\n"
-             "setp.ne.b32 q, u0, v0;\nsetp.ne.or.b32 q, u1, v1, q;\n@q trap;"]
-  else:
-    # The first thread checks that no buffer moved since the block's last
-    # call (the first call records them).
-    check = [f"@!first bra CHECKED;\n{_pointer_row('lb', d)}\nsetp.ne.u32 q, z, z;",
-             *(f"ld.global.v2.b32 {{u0, u1}}, [row+{8 * k}];\n"
-               f"mov.b64 {{v0, v1}}, {ptr};\n"
-               "setp.ne.or.b32 q, u0, v0, q;\nsetp.ne.or.b32 q, u1, v1, q;\n"
-               f"st.global.v2.b32 [row+{8 * k}], {{v0, v1}};"
-               for k, ptr in enumerate(["$2", *dst])),
-             "setp.ne.and.u32 q, cnt, 0, q;\n@q trap;"]
   return f"""{{
 .reg .pred p, q, first;
 .reg .b32 spins, lb, lt, gt, cnt, slot, prev, t, s, z, w0, w1, w2, w3, u0, u1, v0, v1;
 .reg .f32 f, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7;
-.reg .b64 c, off, a, rot, old, row, cp{peer_regs};
+.reg .b64 c, off, a, rot, old, row, cp;
 mov.b32 z, 0;
 {threads.setup}
 mad.lo.u32 gt, lb, {THREADS}, lt;
@@ -357,7 +255,13 @@ mul.wide.u32 rot, slot, {rotation_bytes};
 mul.wide.u32 old, prev, {rotation_bytes};
 mov.b32 s, {SENTINEL_BITS * 0x10001};
 setp.eq.u32 first, lt, 0;
+@!first bra CHECKED;
+mul.wide.u32 row, lb, {8 * (d + 1)};
+add.u64 row, $4, row;
+setp.ne.u32 q, z, z;
 {newline.join(check)}
+setp.ne.and.u32 q, cnt, 0, q;
+@q trap;
 CHECKED:
 {threads.chunk_loop("SEND", f"""{threads.load}
 {newline.join(f"add.rn.bf16x2 {w}, {w}, z;" for w in words)}
@@ -370,8 +274,7 @@ st.global.u32 [cp], cnt;
 
 
 def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
-               config: LamportConfig | None = None,
-               stored_peers: bool = False) -> tuple[jax.Array, LamportState]:
+               config: LamportConfig | None = None) -> tuple[jax.Array, LamportState]:
   """The sum of `x` over `axis_name`, on every device; inside `shard_map`.
 
   Args:
@@ -381,8 +284,6 @@ def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
       step that calls this, and do not copy it between calls.
     axis_name: the mesh axis to sum over (size d >= 2).
     config: the one the state was made with (None: `default_config`).
-    stored_peers: the peers' buffers read from the state, which
-      `record_peers` must have filled (module doc; experimental).
 
   Returns:
     (out, state): out [rows, cols] bfloat16, the float32 sum of the devices'
@@ -393,43 +294,32 @@ def all_reduce(x: jax.Array, state: LamportState, *, axis_name: str,
     ValueError: x not bfloat16 or 2-D, rows * cols not a multiple of 8, or a
       state whose shapes do not match x, d and config.
   """
-  return _exchange(x, state, axis_name, config, gather=False, stored_peers=stored_peers)
+  return _exchange(x, state, axis_name, config, gather=False)
 
 
 def all_gather(x: jax.Array, state: LamportState, *, axis_name: str,
-               config: LamportConfig | None = None,
-               stored_peers: bool = False) -> tuple[jax.Array, LamportState]:
+               config: LamportConfig | None = None) -> tuple[jax.Array, LamportState]:
   """Every device's `x` on every device, in device order; inside `shard_map`.
 
   As `all_reduce` (the same state for an x of the same shape), but returns
   (out [d * rows, cols] bfloat16, device j's x in rows [j * rows, (j + 1) *
   rows), with -0.0 as +0.0; the state for the next call).
   """
-  return _exchange(x, state, axis_name, config, gather=True, stored_peers=stored_peers)
+  return _exchange(x, state, axis_name, config, gather=True)
 
 
-def peer_refs(buffers, axis_name: str, d: int, stored_peers: bool) -> list:
-  """This device's slot in every device's buffers, for `exchange_ptx`'s
-  operands $5..: remote refs (XLA's collective metadata), or none with
-  `stored_peers` (read from the state's addresses)."""
-  if stored_peers:
-    return []
-  me = lax.axis_index(axis_name)
-  return [plgpu.remote_ref(buffers.at[me], {axis_name: j}) for j in range(d)]
-
-
-def _exchange(x, state, axis_name, config, *, gather: bool, stored_peers: bool):
+def _exchange(x, state, axis_name, config, *, gather: bool):
   d = lax.axis_size(axis_name)
   config = config or default_config(*x.shape)
   check_operands(x, state, d, config)
   rows, cols = x.shape
-  ptx = exchange_ptx(d, rows * cols, flat_thread_map(rows * cols, config.blocks), gather,
-                     stored_peers)
+  ptx = exchange_ptx(d, rows * cols, flat_thread_map(rows * cols, config.blocks), gather)
 
   def body(x_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 1-3
-    peers = peer_refs(buffers, axis_name, d, stored_peers)
+    me = lax.axis_index(axis_name)
+    peers = [plgpu.remote_ref(buffers.at[me], {axis_name: j}) for j in range(d)]
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + len(peers)))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + d))
     def run(_, *refs):
       mgpu_utils.inline_ptx(ptx, *map(mgpu_utils.memref_ptr, refs), has_side_effects=True)
 

@@ -200,7 +200,7 @@ bra {label};
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *,
                       axis_name: str, index: int | None = None,
-                      config: MatmulAllReduceConfig | None = None, stored_peers: bool = False
+                      config: MatmulAllReduceConfig | None = None
                       ) -> tuple[jax.Array, lamport.LamportState]:
   """sum over `axis_name` of x @ w, on every device; inside `shard_map`.
 
@@ -217,9 +217,6 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *
     index: with a stacked w, the static index of the weight in it.
     config: None: `default_config(rows, K_shard, N)`; the state must have
       been made for the same config.
-    stored_peers: the peers' buffers read from the state, which
-      `lamport.record_peers` must have filled (experimental; `lamport`'s
-      module doc).
 
   Returns:
     (out, state): out [rows, N] bfloat16, the float32 sum over the devices,
@@ -240,18 +237,18 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, state: lamport.LamportState, *
   tiles = config.tiles
   x_rows = tiles.cta_m if config.pad_rows else rows  # A's rows in HBM
   core = gemm_core.TileMatmul(tiles, k, x.dtype, x.dtype)
-  ptx = lamport.exchange_ptx(d, rows * n, _thread_map(rows, n, tiles),
-                             stored_peers=stored_peers)
+  ptx = lamport.exchange_ptx(d, rows * n, _thread_map(rows, n, tiles))
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + (0 if stored_peers else d)))
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (5 + d))
   def exchange(_, *refs):
     mgpu.warpgroup_barrier()  # every thread's part of the result is in the slabs
     mgpu_utils.inline_ptx(ptx, *map(mgpu_utils.memref_ptr, refs), has_side_effects=True)
 
   def body(x_ref, w_ref, buffers, counts, addresses, out_ref, *_):  # outputs 1-3 alias 2-4
     w_ref = w_ref.at[stacked] if stacked else w_ref
+    me = lax.axis_index(axis_name)
     block = lax.axis_index("sm")
-    peers = lamport.peer_refs(buffers, axis_name, d, stored_peers)
+    peers = [plgpu.remote_ref(buffers.at[me], {axis_name: j}) for j in range(d)]
 
     def tile(slabs, **scratch):
       def epilogue(result):

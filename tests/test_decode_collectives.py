@@ -117,20 +117,6 @@ def test_auto_takes_the_kernel_only_where_it_was_timed(axis_size, rows, cols, wh
   assert decode_collectives._ALL_REDUCE.choose("auto", timed).impl == "pallas"
 
 
-def test_stored_peers_is_named_experimental_where_the_kernels_are_chosen(monkeypatch):
-  """Under `stored_peers` a choice of the kernels carries its caveat (not
-  yet run on GPUs); the choice itself does not change."""
-  monkeypatch.setattr(decode_collectives.platform, "hopper_unavailable_reason", lambda: None)
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=false")
-  x = jax.ShapeDtypeStruct((32, 8192), jnp.bfloat16)
-  state = decode_collectives.state_shapes(32, 8192, 4)
-  plain = decode_collectives.explain_all_reduce(x, state, axis_size=4)
-  with decode_collectives.stored_peers():
-    stored = decode_collectives.explain_all_reduce(x, state, axis_size=4)
-  assert plain.impl == stored.impl == "pallas" and plain.caveat is None
-  assert "stored_peers" in stored.caveat and "not yet run on GPUs" in stored.caveat
-
-
 def test_a_state_that_does_not_fit_is_refused_by_name():
   x = jax.ShapeDtypeStruct((32, 8192), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"does not fit x \[32, 8192\] over 4 devices.*make it with init_state\(32, 8192, 4\)"):
@@ -146,14 +132,13 @@ def test_default_config_gives_each_thread_one_chunk_up_to_the_cap():
   assert lamport.default_config(1024, 8192).blocks == lamport.MAX_BLOCKS
 
 
-def _cuda_module(op, d, rows=32, cols=8192, **kwargs):
+def _cuda_module(op, d, rows=32, cols=8192):
   mesh = jax.make_mesh((d,), (AXIS,))
   sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
 
   def f(x, state):
     def per(x, state):
-      out, state = op(x[0], lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS,
-                      **kwargs)
+      out, state = op(x[0], lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS)
       return out[None], lamport.LamportState(*(a[None] for a in state))
     return jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
                          out_specs=(P(AXIS), P(AXIS)))(x, state)
@@ -164,21 +149,18 @@ def _cuda_module(op, d, rows=32, cols=8192, **kwargs):
   return jax.export.export(jax.jit(f, donate_argnums=1), platforms=["cuda"])(x, state).mlir_module()
 
 
-@pytest.mark.parametrize("stored_peers", [False, True])
 @pytest.mark.parametrize("op, out_rows", [(lamport.all_reduce, 1), (lamport.all_gather, None)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_kernels_lower_for_cuda_in_place_without_xla_barrier(d, op, out_rows, stored_peers):
+def test_kernels_lower_for_cuda_in_place_without_xla_barrier(d, op, out_rows):
   """One Mosaic GPU custom call, its three state operands aliased to its
   outputs (updated in place), XLA's cross-device barrier skipped (no
-  semaphores for it to guard), the peers' addresses from XLA's metadata
-  (with stored_peers none: a plain kernel to XLA, no replica ids); the
-  gather's output d times the operand's rows."""
-  module = _cuda_module(op, d, stored_peers=stored_peers)
+  semaphores for it to guard), the peers' addresses from XLA's metadata;
+  the gather's output d times the operand's rows."""
+  module = _cuda_module(op, d)
   calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
   assert len(calls) == 1, calls
   assert "skip_device_barrier = true" in calls[0]
-  assert f"uses_xla_collective_metadata = {str(not stored_peers).lower()}" in calls[0]
-  assert ("xla_replica_ids" in calls[0]) != stored_peers
+  assert "uses_xla_collective_metadata = true" in calls[0]
   aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)",
                        calls[0])
   assert sorted(aliases) == [("1", "1"), ("2", "2"), ("3", "3")], aliases
@@ -205,65 +187,30 @@ def _assemble(body: str, d: int, tmp_path, shared_operand: bool = False):
                         capture_output=True, text=True, check=False)
 
 
-@pytest.mark.parametrize("stored_peers", [False, True])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("d", [2, 4, 8])
-def test_kernel_ptx_assembles(d, gather, stored_peers, tmp_path):
+def test_kernel_ptx_assembles(d, gather, tmp_path):
   """The kernel's inline PTX assembles for sm_90a (ptxas from the CUDA
-  toolkit), with the peers' buffers as operands or read from the state."""
-  ptx = lamport.exchange_ptx(d, 32 * 8192, lamport.flat_thread_map(32 * 8192, 256), gather,
-                             stored_peers)
-  assert ("$5" in ptx) != stored_peers and ("dst0" in ptx) == stored_peers
-  result = _assemble(ptx, d, tmp_path)
+  toolkit)."""
+  result = _assemble(lamport.exchange_ptx(
+      d, 32 * 8192, lamport.flat_thread_map(32 * 8192, 256), gather), d, tmp_path)
   assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("d", [2, 4, 8])
-def test_record_peers_lowers_for_cuda_over_the_donated_state(d, tmp_path):
-  """`fresh_global_state(..., stored_peers=True)`'s recording program: one
-  collective Mosaic GPU kernel (XLA's metadata: the peers' buffers) writing
-  every block's row of addresses, the donated state aliased in place; its
-  PTX assembles."""
-  mesh = jax.make_mesh((d,), (AXIS,))
-  sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-  rows, cols = 32, 8192
-
-  def record(state):
-    state = lamport.record_peers(lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS)
-    return lamport.LamportState(*(a[None] for a in state))
-
-  state = lamport.LamportState(*(jax.ShapeDtypeStruct((d, *s.shape), s.dtype, sharding=sharding)
-                                 for s in lamport.state_shapes(rows, cols, d)))
-  module = jax.export.export(jax.jit(jax.shard_map(
-      record, mesh=mesh, in_specs=(P(AXIS),), out_specs=P(AXIS)), donate_argnums=0),
-      platforms=["cuda"])(state).mlir_module()
-  calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
-  assert len(calls) == 1, calls
-  assert "uses_xla_collective_metadata = true" in calls[0]
-  aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)",
-                       calls[0])
-  assert sorted(aliases) == [("0", "0"), ("1", "1"), ("2", "2")], aliases
-  assert lamport.RECORD_KERNEL_NAME in module
-  result = _assemble(lamport.record_ptx(d), d, tmp_path)
-  assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.parametrize("stored_peers", [False, True])
 @pytest.mark.parametrize("wg_split", ["n", "m"])
 @pytest.mark.parametrize("rows", [3, 32, 104])
 @pytest.mark.parametrize("d", [2, 4, 8])
-def test_matmul_kernel_ptx_assembles(d, rows, wg_split, stored_peers, tmp_path):
+def test_matmul_kernel_ptx_assembles(d, rows, wg_split, tmp_path):
   """The matmul kernel's exchange (each warpgroup's part of its tile, read
   from shared memory) assembles for sm_90a."""
   config = matmul_all_reduce.default_config(rows, 2048, 8192, wg_split=wg_split)
   body = lamport.exchange_ptx(d, rows * 8192,
-                              matmul_all_reduce._thread_map(rows, 8192, config.tiles),
-                              stored_peers=stored_peers)
+                              matmul_all_reduce._thread_map(rows, 8192, config.tiles))
   result = _assemble(body, d, tmp_path, shared_operand=True)
   assert result.returncode == 0, result.stderr
 
 
-def _matmul_cuda_module(d, rows, k, n, layers, config, stored_peers=False):
+def _matmul_cuda_module(d, rows, k, n, layers, config):
   mesh = jax.make_mesh((d,), (AXIS,))
   sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
   index = None if layers is None else layers - 1
@@ -272,7 +219,7 @@ def _matmul_cuda_module(d, rows, k, n, layers, config, stored_peers=False):
     def per(x, w, state):
       out, state = matmul_all_reduce.matmul_all_reduce(
           x[0], w[0], lamport.LamportState(*(a[0] for a in state)), axis_name=AXIS, index=index,
-          config=config, stored_peers=stored_peers)
+          config=config)
       return out[None], lamport.LamportState(*(a[None] for a in state))
     return jax.shard_map(per, mesh=mesh, in_specs=(P(AXIS),) * 3,
                          out_specs=(P(AXIS), P(AXIS)))(x, w, state)
@@ -287,23 +234,20 @@ def _matmul_cuda_module(d, rows, k, n, layers, config, stored_peers=False):
       x, w, state).mlir_module()
 
 
-@pytest.mark.parametrize("wg_split, layers, stored_peers", [
-    ("n", None, False), ("n", 3, False), ("m", 2, False), ("n", 3, True), ("m", None, True)])
+@pytest.mark.parametrize("wg_split, layers", [("n", None), ("n", 3), ("m", 2)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers, stored_peers):
+def test_matmul_kernel_lowers_for_cuda_in_place(d, wg_split, layers):
   """One Mosaic GPU custom call (its layout inference and lowering run
   here), the state operands aliased to its outputs, no XLA barrier, one
   exchange block per compute warpgroup in the state; a stacked weight
-  reaches the kernel whole (read at its index in place, not sliced); with
-  stored_peers no collective metadata."""
+  reaches the kernel whole (read at its index in place, not sliced)."""
   rows, k, n = 32, 2048, 8192
   config = matmul_all_reduce.default_config(rows, k, n, wg_split=wg_split)
   assert matmul_all_reduce.exchange_config(n, config).blocks == 2 * n // config.tiles.cta_n
-  module = _matmul_cuda_module(d, rows, k, n, layers, config, stored_peers)
+  module = _matmul_cuda_module(d, rows, k, n, layers, config)
   calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
   assert len(calls) == 1, calls
   assert "skip_device_barrier = true" in calls[0]
-  assert f"uses_xla_collective_metadata = {str(not stored_peers).lower()}" in calls[0]
   aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d)",
                        calls[0])
   assert sorted(aliases) == [("1", "2"), ("2", "3"), ("3", "4")], aliases
@@ -373,55 +317,41 @@ def test_matmul_all_reduce_explains_and_refuses_by_name():
         x, w, decode_collectives.state_shapes(32, 8192, 4), axis_size=4)
 
 
-def _counted(collective, stored: list):
+def _counted(collective):
   """A stand-in for a Lamport kernel: the `lax` collective in float32, the
   state with every thread's call count advanced (the kernel's contract
-  without its exchange); each call's `stored_peers` appended to `stored`."""
-  def kernel(x, state, *, axis_name, config=None, stored_peers=False):
+  without its exchange)."""
+  def kernel(x, state, *, axis_name, config=None):
     del config
-    stored.append(stored_peers)
     out = collective(x.astype(jnp.float32), axis_name).astype(x.dtype)
     return out, state._replace(counts=state.counts + 1)
   return kernel
 
 
-def _counted_matmul_sum(stored: list):
+def _counted_matmul_sum(x, w, state, *, axis_name, index=None):
   """A stand-in for the matmul + all-reduce kernel: the stacked weight's
   layer `index`, the product summed by `lax.psum` in float32, the state's
-  counts advanced; each call's `stored_peers` appended to `stored`."""
-  def kernel(x, w, state, *, axis_name, index=None, stored_peers=False):
-    stored.append(stored_peers)
-    out = lax.psum(jnp.dot(x, w[index], preferred_element_type=jnp.float32), axis_name)
-    return out.astype(x.dtype), state._replace(counts=state.counts + 1)
-  return kernel
+  counts advanced."""
+  out = lax.psum(jnp.dot(x, w[index], preferred_element_type=jnp.float32), axis_name)
+  return out.astype(x.dtype), state._replace(counts=state.counts + 1)
 
 
-def _recorded(state, *, axis_name):
-  """A stand-in for `lamport.record_peers`: every address word set to 1."""
-  del axis_name
-  return state._replace(addresses=jnp.ones_like(state.addresses))
-
-
-@pytest.mark.parametrize("unfused, stored", [(False, False), (True, False), (False, True)])
-def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, unfused, stored):
+@pytest.mark.parametrize("unfused", [False, True])
+def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, unfused):
   """With the kernels chosen (stand-ins here), a decode step refuses a
   cache without their states, and threads the states that `exchange_state`
   made through its calls: per layer per step two matmul sums (the fused
   kernel's, or under `unfused_matmul_sums` the all-reduce kernel's after
   XLA's matmul) and one gather of the heads, its column-parallel matmuls
   through `decode_matmul`'s kernel on the stacked weights, and the logits of
-  the XLA model. Under `stored_peers` every kernel call reads the peers from
-  its state and every state made has them recorded (`lamport.record_peers`)."""
+  the XLA model."""
   for name in ("_ALL_REDUCE", "_ALL_GATHER", "_MATMUL_ALL_REDUCE"):
     monkeypatch.setattr(decode_collectives, name, dispatch.Op(name, {
         "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
-  calls_stored = []  # each kernel call's stored_peers, as traced
-  monkeypatch.setattr(decode_collectives.lamport, "all_reduce", _counted(lax.psum, calls_stored))
+  monkeypatch.setattr(decode_collectives.lamport, "all_reduce", _counted(lax.psum))
   monkeypatch.setattr(decode_collectives.lamport, "all_gather", _counted(
-      functools.partial(lax.all_gather, tiled=True), calls_stored))
-  monkeypatch.setattr(decode_collectives.fused_kernel, "matmul_all_reduce",
-                      _counted_matmul_sum(calls_stored))
-  monkeypatch.setattr(decode_collectives.lamport, "record_peers", _recorded)
+      functools.partial(lax.all_gather, tiled=True)))
+  monkeypatch.setattr(decode_collectives.fused_kernel, "matmul_all_reduce", _counted_matmul_sum)
   columns = []  # (w's rank, index) of each column-parallel kernel call traced
 
   def column_kernel(x, w, *, index=None):
@@ -432,7 +362,7 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
       "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
   monkeypatch.setattr(decode_matmul, "_pallas_support", lambda p: None)
   monkeypatch.setattr(decode_matmul.kernel, "decode_matmul", column_kernel)
-  with decode_collectives.unfused_matmul_sums(unfused), decode_collectives.stored_peers(stored):
+  with decode_collectives.unfused_matmul_sums(unfused):
     d, layers, batch = 2, 2, 3
     config = transformer.MODELS["tiny"]
     mesh = testkit.mesh_1d(d)
@@ -454,7 +384,6 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
           cache = dataclasses.replace(cache, exchange=transformer.exchange_state(
               config, batch, axis_name=AXIS))
           assert all((np.asarray(s.counts) == 0).all() for s in cache.exchange)
-          assert all((np.asarray(s.addresses) == stored).all() for s in cache.exchange)
           summed = lamport.state_shapes(batch, config.hidden, d, (
               lamport.default_config(batch, config.hidden) if unfused
               else matmul_all_reduce.exchange_config(config.hidden)))
@@ -469,7 +398,6 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
               assert counts.shape[0] == d and (counts == per_layer * layers * len(seen)).all()
         caches[impl], logits[impl] = cache, seen
     assert caches["xla_bsp"].exchange is None
-    assert calls_stored and set(calls_stored) == {stored}, calls_stored
     # qkv's and gate-up's weights reach the kernel in their stacks, the
     # head's as it is (one trace).
     assert sorted(columns, key=str) == sorted(

@@ -86,28 +86,16 @@ def _operands(gen, d, rows, cols, signed_zeros=True):
   return x
 
 
-# The peers' buffers from XLA's metadata, or read from the state
-# (`decode_collectives.stored_peers`: experimental, first GPU run pending).
-PEERS = [pytest.param(False, id="metadata"),
-         pytest.param(True, id="stored", marks=pytest.mark.experimental)]
-
-
 def _addresses(state, d):
   """Each device's record of block 0: its own buffers, then each device's."""
   words = np.asarray(state.addresses).reshape(d, -1, 2 * (d + 1))[:, 0].astype(np.uint32)
   return words[:, 0::2].astype(np.uint64) | (words[:, 1::2].astype(np.uint64) << np.uint64(32))
 
 
-@pytest.mark.parametrize("stored", PEERS)
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
 @pytest.mark.parametrize("rows, cols", [(32, 8192), (3, 1000)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_repeated_calls_through_one_donated_state(d, rows, cols, op, stored):
-  with decode_collectives.stored_peers(stored):
-    _check_repeated_calls(d, rows, cols, op)
-
-
-def _check_repeated_calls(d, rows, cols, op):
+def test_repeated_calls_through_one_donated_state(d, rows, cols, op):
   mesh = testkit.mesh_1d(d)
   gen = testkit.rng("decode_collectives_gpu", d, rows, op)
   collective = getattr(decode_collectives, op)
@@ -198,19 +186,13 @@ def _check_matmul_sum(out, x, w, what):
                          f" {err.max():.3g} at {np.unravel_index(err.argmax(), want.shape)}")
 
 
-@pytest.mark.parametrize("stored", PEERS)
 @pytest.mark.parametrize("rows, k, n, index", [(32, 2048, 8192, None), (3, 128, 256, 1),
                                                (128, 512, 1024, 0)])
 @pytest.mark.parametrize("d", [2, 4])
-def test_matmul_all_reduce_repeated_calls(d, rows, k, n, index, stored):
+def test_matmul_all_reduce_repeated_calls(d, rows, k, n, index):
   """The fused kernel, 12 calls threaded through one donated state, fresh
   operands each call (w stacked with `index` where given); every device's
-  output checked; the peers' buffers from XLA's metadata or the state."""
-  with decode_collectives.stored_peers(stored):
-    _check_matmul_repeated_calls(d, rows, k, n, index)
-
-
-def _check_matmul_repeated_calls(d, rows, k, n, index):
+  output checked."""
   mesh = testkit.mesh_1d(d)
   gen = testkit.rng("matmul_all_reduce_gpu", d, rows, k)
   layers = () if index is None else (2,)
