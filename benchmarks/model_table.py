@@ -45,20 +45,27 @@ def markdown(payloads: list[dict]) -> str:
     out.append("Per step, per device, ms: CUPTI (the sum of kernel times: kernels on concurrent"
                " streams count twice) / back-to-back dispatch (wall clock) / span (the slowest"
                " GPU's time per call in a profiler trace, where recorded); speedup = BSP time /"
-               " fused time. A decode row names the fused step's activations where its record"
-               " has them (`transformer.decode_plan`: replicated over the Lamport exchange"
-               " kernels, or sharded).")
+               " fused time. Prefill and decode rows hold the KV cache by heads (the model's"
+               " default since session 48; BSP's decode: local attention, XLA's all-reduces),"
+               " rows \"by positions\" a cache sharded by positions (BSP's decode: the batch"
+               " sharded, the fast local kernel, all-gather and merge). A decode row names the"
+               " fused step's activations where its record has them (`transformer.decode_plan`:"
+               " replicated over the Lamport exchange kernels, or sharded).")
     out.append("")
     out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch / span |"
                " measured (UTC) |")
     out.append("|---|---|---|---|---|---|---|---|")
     measured = {}  # a row's latest record, to the minute: older rows stand out
     activations = {}  # a decode row's fused activations, where recorded
+    pairs = {fused: cache for fused, _, cache in transformer.PAIRS}
     for x in records:
       base, variant = x["key"].rsplit("/", 1)
-      measured[base] = max(measured.get(base, ""), x.get("time_utc", "")[:16].replace("T", " "))
-      if variant == "fused" and (a := x.get("info", {}).get("decode_activations")):
-        activations[base] = a
+      when = x.get("time_utc", "")[:16].replace("T", " ")
+      for fused, bsp, cache in transformer.PAIRS:
+        if variant in (fused, bsp):
+          measured[base, cache] = max(measured.get((base, cache), ""), when)
+      if variant in pairs and (a := x.get("info", {}).get("decode_activations")):
+        activations[base, pairs[variant]] = a
     steps = ("train", "prefill", "decode")
     rows = sorted(transformer.speedups(records), key=lambda r: (
         r["model"], r["d"], steps.index(r["step"]) if r["step"] in steps else 3,
@@ -67,16 +74,18 @@ def markdown(payloads: list[dict]) -> str:
       b, s = r["shape"].removeprefix("b").split("_s")
       shape = f"{b} x {int(s) // 1024}K" if r["step"] == "decode" else f"{b} x {s}"
       base = f"{r['model']}/D{r['d']}/{r['step']}/{r['shape']}"
-      step = f"{r['step']}, {activations[base]}" if base in activations else r["step"]
+      row = base, r["cache"]
+      step = transformer.step_label(r)
+      step = f"{step}, {activations[row]}" if row in activations else step
       if r["status"] != "ok/ok":
         reasons = {x["reason"].split(" | ")[0][:90] for x in records
                    if x["key"].rsplit("/", 1)[0] == base and x["status"] != "ok"}
         out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {r['status']} |"
-                   f" {'; '.join(sorted(reasons))} | - | {measured[base] or '?'} |")
+                   f" {'; '.join(sorted(reasons))} | - | {measured[row] or '?'} |")
         continue
       cell = lambda key: " / ".join(_fmt(r[key.format(figure)]) for figure in FIGURES)
       out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {cell('fused_{}_ms')} |"
-                 f" {cell('bsp_{}_ms')} | {cell('speedup_{}')} | {measured[base] or '?'} |")
+                 f" {cell('bsp_{}_ms')} | {cell('speedup_{}')} | {measured[row] or '?'} |")
     out.append("")
   return "\n".join(out).rstrip()
 

@@ -97,13 +97,15 @@ _DECODE_BSP_IMPL = flags.DEFINE_string(
 _FRESH = flags.DEFINE_bool("fresh", False, "Drop the records of earlier runs in the JSON.")
 _VARIANTS = flags.DEFINE_list(
     "model_variants", ["fused", "bsp"], "Model variants: fused (`auto`, the decode step's"
-    " activations by `transformer.decode_plan`), bsp, fused_sharded (fused, the decode step over"
-    " sharded activations), fused_heads and bsp_heads (the decode step over a KV cache sharded"
-    " by heads: local attention, no exchange of partials), fused_entry (fused with the matmul"
+    " activations by `transformer.decode_plan`, the KV cache by heads: the default), bsp (the"
+    " XLA paths, the same cache, XLA's all-reduces), fused_positions and bsp_positions (the"
+    " same two over a KV cache sharded by positions; bsp_positions: the decode step over sharded"
+    " activations, the fast local decode attention, all-gather and merge), fused_sharded (fused"
+    " by positions, the decode step over sharded activations), fused_entry (fused with the matmul"
     " kernels meeting inside the kernel, `dispatch.meet_inside_kernels`), fused_kernels"
     " (`auto` taking the kernels wherever they run, `dispatch.kernels_wherever_they_run`),"
-    " fused_replicated and bsp_replicated (the decode step over replicated activations),"
-    " fused_replicated_pallas (replicated, impl='pallas': the matmul + Lamport all-reduce and the"
+    " fused_replicated_pallas (by positions, replicated, impl='pallas': the matmul + Lamport"
+    " all-reduce and the"
     " Lamport all-gather kernels; its programs compiled with XLA's dynamic-slice fusion off, as"
     " the kernels need, the other variants' not),"
     " fused_replicated_pallas_unfused (the same with XLA's matmuls, then the Lamport all-reduce),"
@@ -111,8 +113,7 @@ _VARIANTS = flags.DEFINE_list(
     " matmuls instead of `decode_matmul`'s kernel),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
-    " the table compares fused and"
-    " bsp.")
+    " the table compares fused with bsp, and fused_positions with bsp_positions.")
 _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"
     " run one process each, so that memory one D fragmented or held never fails the next D's"
@@ -207,8 +208,9 @@ class Variant:
   (`dispatch.kernels_wherever_they_run`), the decode step's `activations`,
   whether its matmul sums run unfused (`decode_collectives.
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
-  (`decode_matmul.xla_only`), how the decode step's KV cache is sharded (`transformer.KVCache.shards`),
-  and XLA compile options ((name, value) pairs)."""
+  (`decode_matmul.xla_only`), how the KV cache is sharded
+  (`transformer.KVCache.shards`), and XLA compile options ((name, value)
+  pairs)."""
   name: str
   impl: str
   decode_impl: str | None
@@ -217,7 +219,7 @@ class Variant:
   decode_activations: str = "auto"
   unfused_sums: bool = False
   xla_columns: bool = False
-  cache_shards: str = "positions"
+  cache_shards: str = "heads"
   compiler_options: tuple[tuple[str, object], ...] = ()
 
   @contextlib.contextmanager
@@ -238,44 +240,41 @@ class Variant:
 def variants() -> tuple[Variant, ...]:
   """The --model_variants: fused (`auto`; its decode step's activations as
   `transformer.decode_plan` resolves "auto", compiled as `transformer.jitted`
-  compiles it), bsp (the XLA paths, flash_decode on its best BSP pipeline,
-  the decode step over sharded activations), fused_sharded (fused with the
-  decode step over sharded activations: `auto`'s before session 46),
-  fused_heads /
-  bsp_heads (the decode step over a KV cache sharded by heads: attention
-  local, no exchange of partials nor gather of the step's heads; bsp_heads
-  over replicated activations, two XLA all-reduces per layer, as tensor-
-  parallel serving decodes), fused_entry (fused, the kernels meeting
-  inside), fused_kernels (fused, `auto` taking the kernels wherever they
-  run, e.g. at the decode-size matmuls that its tables give BSP),
-  fused_replicated / bsp_replicated (the decode step over replicated
-  activations), fused_replicated_pallas (the same with impl="pallas": the
-  decode kernel, the matmul with the Lamport all-reduce in its epilogue and
-  the Lamport all-gather; `decode_matmul`'s kernel for the column-parallel
-  matmuls where it runs; fused_replicated_pallas_xla_columns: XLA's there),
-  fused_replicated_pallas_unfused (the same with
-  XLA's matmuls, then the Lamport all-reduce), and fused / bsp without XLA's
+  compiles it; the KV cache by heads, the model's default), bsp (the XLA
+  paths over the same cache: attention local on flash_decode's best BSP
+  kernel, the decode step over replicated activations with two XLA
+  all-reduces per layer, as tensor-parallel serving decodes: the best BSP
+  step measured, session 48), fused_positions / bsp_positions (the same
+  over a KV cache sharded by positions; bsp_positions: the decode step over
+  sharded activations, flash_decode on its best BSP pipeline, the fast local
+  kernel, all-gather and merge: the BSP model until session 48),
+  fused_sharded (fused_positions with the decode step over sharded
+  activations: `auto`'s before session 46), fused_entry (fused, the kernels
+  meeting inside), fused_kernels (fused, `auto` taking the kernels wherever
+  they run, e.g. at the decode-size matmuls that its tables give BSP),
+  fused_replicated_pallas (by positions, replicated activations, impl=
+  "pallas": the decode kernel, the matmul with the Lamport all-reduce in its
+  epilogue and the Lamport all-gather; `decode_matmul`'s kernel for the
+  column-parallel matmuls where it runs; fused_replicated_pallas_xla_columns:
+  XLA's there), fused_replicated_pallas_unfused (the same with XLA's
+  matmuls, then the Lamport all-reduce), and fused / bsp without XLA's
   dynamic-slice fusion."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
+  by_positions = dict(cache_shards="positions")
+  pallas = dict(decode_activations="replicated", compiler_options=_NO_SLICE_FUSION, **by_positions)
   known = {v.name: v for v in (
-      Variant("fused", "auto", None), Variant("bsp", "xla_bsp", decode, decode_activations="sharded"),
-      Variant("fused_sharded", "auto", None, decode_activations="sharded"),
-      Variant("fused_heads", "auto", None, cache_shards="heads"),
-      Variant("bsp_heads", "xla_bsp", decode, decode_activations="replicated",
-              cache_shards="heads"),
+      Variant("fused", "auto", None),
+      Variant("bsp", "xla_bsp", decode, decode_activations="replicated"),
+      Variant("fused_positions", "auto", None, **by_positions),
+      Variant("bsp_positions", "xla_bsp", decode, decode_activations="sharded", **by_positions),
+      Variant("fused_sharded", "auto", None, decode_activations="sharded", **by_positions),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
-      Variant("fused_replicated", "auto", None, decode_activations="replicated"),
-      Variant("bsp_replicated", "xla_bsp", decode, decode_activations="replicated"),
-      Variant("fused_replicated_pallas", "pallas", None, decode_activations="replicated",
-              compiler_options=_NO_SLICE_FUSION),
-      Variant("fused_replicated_pallas_unfused", "pallas", None, decode_activations="replicated",
-              unfused_sums=True, compiler_options=_NO_SLICE_FUSION),
-      Variant("fused_replicated_pallas_xla_columns", "pallas", None,
-              decode_activations="replicated", xla_columns=True,
-              compiler_options=_NO_SLICE_FUSION),
+      Variant("fused_replicated_pallas", "pallas", None, **pallas),
+      Variant("fused_replicated_pallas_unfused", "pallas", None, unfused_sums=True, **pallas),
+      Variant("fused_replicated_pallas_xla_columns", "pallas", None, xla_columns=True, **pallas),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
-      Variant("bsp_no_slice_fusion", "xla_bsp", decode, decode_activations="sharded",
+      Variant("bsp_no_slice_fusion", "xla_bsp", decode, decode_activations="replicated",
               compiler_options=_NO_SLICE_FUSION))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
   if unknown:
@@ -694,9 +693,17 @@ _FIGURES = {"cupti_ms": lambda r: r.get("cupti_ms"), "dispatch_ms": lambda r: r.
             "span_ms": span_ms}
 
 
+# The variant pairs that the table compares, as (fused, bsp, the KV cache's
+# layout where it is not the default): the model as `auto` runs it against
+# the same model on the BSP paths, and the same over a cache by positions
+# (the model's default until session 48: older records of fused and bsp).
+PAIRS = (("fused", "bsp", None), ("fused_positions", "bsp_positions", "positions"))
+
+
 def speedups(records: list[dict]) -> list[dict]:
-  """One row per (model, D, step, shape): both variants' figures (CUPTI,
-  dispatch, span) and bsp / fused for each."""
+  """One row per (model, D, step, shape) and pair of `PAIRS` with a record:
+  both variants' figures (CUPTI, dispatch, span), bsp / fused for each, and
+  `cache`, the pair's cache layout (None: the default)."""
   by_key = {r["key"]: r for r in records}
   rows, seen = [], set()
   for r in records:
@@ -704,16 +711,24 @@ def speedups(records: list[dict]) -> list[dict]:
     if base in seen:
       continue
     seen.add(base)
-    fused, bsp = by_key.get(base + "/fused"), by_key.get(base + "/bsp")
-    row = {k: r[k] for k in ("model", "d", "step", "shape")}
-    for figure, get in _FIGURES.items():
-      f = get(fused) if fused and fused["status"] == "ok" else None
-      b = get(bsp) if bsp and bsp["status"] == "ok" else None
-      row[f"fused_{figure}"], row[f"bsp_{figure}"] = f, b
-      row[f"speedup_{figure.split('_')[0]}"] = b / f if f and b else None
-    row["status"] = "/".join((x or {}).get("status", "missing") for x in (fused, bsp))
-    rows.append(row)
+    for fused_name, bsp_name, cache in PAIRS:
+      fused, bsp = by_key.get(f"{base}/{fused_name}"), by_key.get(f"{base}/{bsp_name}")
+      if fused is None and bsp is None:
+        continue
+      row = {**{k: r[k] for k in ("model", "d", "step", "shape")}, "cache": cache}
+      for figure, get in _FIGURES.items():
+        f = get(fused) if fused and fused["status"] == "ok" else None
+        b = get(bsp) if bsp and bsp["status"] == "ok" else None
+        row[f"fused_{figure}"], row[f"bsp_{figure}"] = f, b
+        row[f"speedup_{figure.split('_')[0]}"] = b / f if f and b else None
+      row["status"] = "/".join((x or {}).get("status", "missing") for x in (fused, bsp))
+      rows.append(row)
   return rows
+
+
+def step_label(row: dict) -> str:
+  """A row's step, with its pair's cache layout where not the default."""
+  return row["step"] if row["cache"] is None else f"{row['step']}, by {row['cache']}"
 
 
 def table(records: list[dict]) -> list[str]:
@@ -722,7 +737,7 @@ def table(records: list[dict]) -> list[str]:
             "status")
   figures = ("cupti", "dispatch", "span")
   cell = lambda r, key: " / ".join(fmt(r[key.format(figure)]) for figure in figures)
-  rows = [(r["model"], str(r["d"]), r["step"], r["shape"], cell(r, "fused_{}_ms"),
+  rows = [(r["model"], str(r["d"]), step_label(r), r["shape"], cell(r, "fused_{}_ms"),
            cell(r, "bsp_{}_ms"), cell(r, "speedup_{}"), r["status"]) for r in speedups(records)]
   widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
   line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
@@ -739,7 +754,7 @@ def _chart(records: list[dict], path: pathlib.Path, device: str) -> str:
   rows = [r for r in speedups(records) if r["speedup_dispatch"] or r["speedup_cupti"]]
   if not rows:
     return "no chart: no case ran in both variants"
-  labels = [f"{r['model']} D{r['d']} {r['step']} {r['shape']}" for r in rows]
+  labels = [f"{r['model']} D{r['d']} {step_label(r)} {r['shape']}" for r in rows]
   fig, ax = plt.subplots(figsize=(9, 1.5 + 0.28 * len(rows)))
   y = np.arange(len(rows))
   ax.barh(y - 0.2, [r["speedup_cupti"] or 0 for r in rows], 0.4, label="CUPTI", color="#3366aa")

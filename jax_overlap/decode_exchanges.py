@@ -84,7 +84,7 @@ def exchange_impl_for(impl: str) -> str:
 
 
 def _exchange_shapes(config, batch: int, axis_size: int,
-                     cache_shards: str = "positions") -> DecodeExchanges:
+                     cache_shards: str = "heads") -> DecodeExchanges:
   """Each site's per-device state shape (rows, cols): the sums' output, the
   gather's operand (None: no gather, the cache sharded by heads)."""
   heads = (config.q_heads + 2 * config.kv_heads) // axis_size
@@ -95,7 +95,7 @@ def _exchange_shapes(config, batch: int, axis_size: int,
 
 def decode_exchange_choices(config, *, axis_size: int, batch: int, impl: str = "auto",
                             axis_name=None, has_state: bool = True,
-                            cache_shards: str = "positions") -> DecodeExchanges:
+                            cache_shards: str = "heads") -> DecodeExchanges:
   """Each exchange site's `dispatch.Choice` in a decode step of `batch`
   sequences over replicated activations, the cache holding the kernel's
   state (`exchange_state`; or not: `has_state`) and sharded as
@@ -139,7 +139,7 @@ class DecodePlan(NamedTuple):
 
 def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
                 activations: str = "auto", has_state: bool = True,
-                axis_name=None, cache_shards: str = "positions") -> DecodePlan:
+                axis_name=None, cache_shards: str = "heads") -> DecodePlan:
   """`transformer.decode_step`'s `activations` resolved for `batch` sequences over an
   axis of `axis_size`, in the current trace context (the exchange kernels
   run only where XLA's dynamic-slice fusion is off in the program:
@@ -186,7 +186,7 @@ def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
 
 
 def exchange_state(config, batch: int, *, axis_name: str, mesh=None,
-                   cache_shards: str = "positions") -> DecodeExchanges:
+                   cache_shards: str = "heads") -> DecodeExchanges:
   """A fresh `transformer.KVCache.exchange` for decode steps of `batch` sequences over
   replicated activations through the exchange kernels, with a cache
   sharded as `cache_shards` says (each array stacked over the axis's

@@ -15,14 +15,14 @@ sequence parallelism):
 - Attention runs per device over its own heads and all tokens, through
   `jax.nn.dot_product_attention` with the implementation `attention_impl`
   names (cuDNN on NVIDIA GPUs, XLA elsewhere).
-- Decoding keeps the KV cache sharded along the sequence (device i holds
-  positions [i * S_max / D, (i + 1) * S_max / D) of every head) and attends
-  through `flash_decode`, which merges the devices' partial attention; or,
-  `KVCache.shards` = "heads", sharded by KV heads (device i holds every
-  position of its Hkv / D heads, those of its query heads) and attends
-  locally, with no exchange. The decode batch is sharded like the tokens
-  above, or whole on every device (local column-parallel matmuls, an
-  all-reduce after each row-parallel one: `decode_step`'s `activations`;
+- Decoding keeps the KV cache sharded by KV heads (`KVCache.shards` =
+  "heads", the default: device i holds every position of its Hkv / D heads,
+  those of its query heads) and attends locally, with no exchange; or along
+  the sequence ("positions": device i holds positions [i * S_max / D, (i +
+  1) * S_max / D) of every head) and attends through `flash_decode`, which
+  merges the devices' partial attention. The decode batch is sharded like
+  the tokens above, or whole on every device (local column-parallel matmuls,
+  an all-reduce after each row-parallel one: `decode_step`'s `activations`;
   "auto" takes this where the Lamport exchange kernels run, `decode_plan`).
 
 A layer (pre-norm; RMSNorm; rotary embeddings; grouped-query attention;
@@ -171,11 +171,13 @@ MODELS = {
 }
 
 
-# How a KV cache's arrays are split over the axis (`KVCache.shards`).
-CACHE_SHARDS = ("positions", "heads")
-# What `explain` says of a cache by positions (benchmarks/NOTES.md, session 47).
-_HEADS_MEASURED = ("by heads the 70B-like decode step took 4.81 against 5.19 ms at 32 x 32K, D = 4 (4"
-                   " H100s):")
+# How a KV cache's arrays are split over the axis (`KVCache.shards`), the
+# default first: by heads the 70B-like decode step was faster at every shape
+# and D measured (benchmarks/NOTES.md, session 48).
+CACHE_SHARDS = ("heads", "positions")
+# What `explain` says of a cache by positions (benchmarks/NOTES.md, session 48).
+_HEADS_MEASURED = ("by heads (the default) the 70B-like decode step took 1.99 against 2.37 ms at 8 x"
+                   " 8K and 4.90 against 5.23 at 32 x 32K, D = 4 (4 H100s):")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -196,19 +198,19 @@ class KVCache:
     decode step over replicated activations (`DecodeExchanges`):
     `exchange_state` makes them, `decode_step` needs them when it runs
     those kernels and threads them through every call.
-  shards: "positions": device i holds positions [i * S_max / D, (i + 1) *
-    S_max / D) of every head, and a decode step attends through
-    `flash_decode`'s exchange of partials (S_max a multiple of D);
-    "heads": device i holds every position of KV heads [i * Hkv / D, (i +
-    1) * Hkv / D), and a decode step attends locally (no exchange, no
-    gather of the step's heads; Hkv a multiple of D, which the model needs
-    anyway).
+  shards: "heads" (the default): device i holds every position of KV
+    heads [i * Hkv / D, (i + 1) * Hkv / D), and a decode step attends
+    locally (no exchange, no gather of the step's heads; Hkv a multiple of
+    D, which the model needs anyway); "positions": device i holds positions
+    [i * S_max / D, (i + 1) * S_max / D) of every head, and a decode step
+    attends through `flash_decode`'s exchange of partials (S_max a multiple
+    of D).
   """
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
   exchange: "DecodeExchanges | None" = None
-  shards: str = "positions"
+  shards: str = "heads"
 
   def __post_init__(self):
     _check_cache_shards(self.shards)
@@ -216,9 +218,9 @@ class KVCache:
 
 def _check_cache_shards(shards: str) -> None:
   if shards not in CACHE_SHARDS:
-    raise ValueError(f"cache shards={shards!r}: expected 'positions' (the sequence split over"
-                     " the axis, attention through flash_decode's exchange) or 'heads' (KV"
-                     " heads split over the axis, local attention).")
+    raise ValueError(f"cache shards={shards!r}: expected 'heads' (KV heads split over the axis,"
+                     " local attention; the default) or 'positions' (the sequence split over"
+                     " the axis, attention through flash_decode's exchange).")
 
 
 def init_params(key, config: TransformerConfig, layers: int) -> dict:
@@ -260,9 +262,9 @@ def param_specs(axis_name: str) -> dict:
                      "w_down": P(None, axis_name, None)}}
 
 
-def cache_specs(axis_name: str, layers: int, shards: str = "positions") -> KVCache:
-  """The PartitionSpecs of a KVCache of `layers` layers: positions or KV
-  heads over the axis (`KVCache.shards`)."""
+def cache_specs(axis_name: str, layers: int, shards: str = "heads") -> KVCache:
+  """The PartitionSpecs of a KVCache of `layers` layers: KV heads or
+  positions over the axis (`KVCache.shards`)."""
   _check_cache_shards(shards)
   kv = (P(None, axis_name, None, None) if shards == "positions"
         else P(None, None, axis_name, None),) * layers
@@ -270,7 +272,7 @@ def cache_specs(axis_name: str, layers: int, shards: str = "positions") -> KVCac
 
 
 def empty_cache(config: TransformerConfig, layers: int, batch: int, cache_len: int,
-                shards: str = "positions") -> KVCache:
+                shards: str = "heads") -> KVCache:
   """A KVCache of zeros holding no tokens (global; place it as
   `cache_specs(..., shards)`)."""
   zeros = lambda: tuple(jnp.zeros((batch, cache_len, config.kv_heads, config.head_dim),
@@ -332,7 +334,7 @@ def explain(config: TransformerConfig, *, axis_size: int, batch: int | None = No
             seq: int | None = None, impl: str = "auto", decode_impl: str | None = None,
             decode_batch: int | None = None, cache_len: int | None = None,
             attention: str | None = None, decode_activations: str = "auto",
-            cache_shards: str = "positions") -> tuple[str, ...]:
+            cache_shards: str = "heads") -> tuple[str, ...]:
   """What each op of one layer (and the head) would run, without running it.
 
   The attention implementation; with `batch` and `seq`, the ops of a training
@@ -474,7 +476,7 @@ def train_step(params, tokens, labels, *, learning_rate: float, **kwargs):
 
 def prefill(params, tokens, lengths=None, *, cache_len: int, config: TransformerConfig,
             axis_name: str, mesh=None, impl: str = "auto", attention: str | None = None,
-            cache_shards: str = "positions"):
+            cache_shards: str = "heads"):
   """Runs prompts through the model, fills a KV cache, returns the logits of
   each prompt's last token.
 
@@ -483,11 +485,13 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
     tokens: [B, S] int32 prompts, right-padded (replicated); B * S a multiple of D.
     lengths: [B] int32 prompt lengths in [1, S] (None: all S); padding after a
       prompt's end does not change its logits (causal attention).
-    cache_len: S_max >= S, the cache's positions; a multiple of D.
+    cache_len: S_max >= S, the cache's positions (by positions, a multiple
+      of D).
     config, axis_name, mesh, impl, attention: as for `loss`.
-    cache_shards: the returned cache's `KVCache.shards` ("positions" or
-      "heads"; the layers compute each device's KV heads, so "heads" keeps
-      them where they are and "positions" moves them by one all-to-all).
+    cache_shards: the returned cache's `KVCache.shards` ("heads", the
+      default, or "positions"; the layers compute each device's KV heads,
+      so "heads" keeps them where they are and "positions" moves them by one
+      all-to-all).
 
   Returns:
     (logits [B, V] float32 of position lengths[b] - 1, vocabulary sharded
@@ -498,9 +502,9 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
   _check_tokens(tokens, d)
   _check_cache_shards(cache_shards)
   b, s = tokens.shape
-  if cache_len < s or cache_len % d:
-    raise ValueError(f"cache_len={cache_len} must be >= the prompt length S = {s} and a"
-                     f" multiple of the axis size {d}.")
+  if cache_len < s or (cache_len % d and cache_shards == "positions"):
+    raise ValueError(f"cache_len={cache_len} must be >= the prompt length S = {s} and, with"
+                     f" cache_shards='positions', a multiple of the axis size {d}.")
   if lengths is None:
     lengths = jnp.full((b,), s, jnp.int32)
 
@@ -701,7 +705,7 @@ class Jitted(NamedTuple):
 def jitted(config: TransformerConfig, *, axis_name: str, mesh=None, impl: str = "auto",
            decode_impl: str | None = None, attention: str | None = None,
            learning_rate: float = 1e-3, cache_len: int | None = None,
-           cache_shards: str = "positions", decode_activations: str = "auto",
+           cache_shards: str = "heads", decode_activations: str = "auto",
            donate: bool = True) -> Jitted:
   """`train_step(params, tokens, labels)`, `prefill(params, tokens, lengths)`
   and `decode_step(params, tokens, cache)`, jitted with these settings.

@@ -342,9 +342,9 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
   cache without their states, and threads the states that `exchange_state`
   made through its calls: per layer per step two matmul sums (the fused
   kernel's, or under `unfused_matmul_sums` the all-reduce kernel's after
-  XLA's matmul) and one gather of the heads, its column-parallel matmuls
-  through `decode_matmul`'s kernel on the stacked weights, and the logits of
-  the XLA model."""
+  XLA's matmul) and one gather of the heads (the cache by positions), its
+  column-parallel matmuls through `decode_matmul`'s kernel on the stacked
+  weights, and the logits of the XLA model."""
   for name in ("_ALL_REDUCE", "_ALL_GATHER", "_MATMUL_ALL_REDUCE"):
     monkeypatch.setattr(decode_collectives, name, dispatch.Op(name, {
         "pallas": dispatch.Impl(), "xla": dispatch.Impl()}, ("pallas", "xla")))
@@ -376,13 +376,13 @@ def test_decode_step_threads_the_kernel_states_through_its_calls(monkeypatch, un
             transformer.decode_step, config=config, axis_name=AXIS, impl=impl,
             decode_impl="xla_bsp", activations="replicated"), donate_argnums=2)
         cache = jax.tree.map(lambda a, s: jax.reshard(a, s),
-                             transformer.empty_cache(config, layers, batch, 16),
-                             transformer.cache_specs(AXIS, layers))
+                             transformer.empty_cache(config, layers, batch, 16, "positions"),
+                             transformer.cache_specs(AXIS, layers, "positions"))
         if impl == "pallas":
           with pytest.raises(ValueError, match=r"cache.exchange is None.*exchange_state\("):
             step(params, tokens, cache)
           cache = dataclasses.replace(cache, exchange=transformer.exchange_state(
-              config, batch, axis_name=AXIS))
+              config, batch, axis_name=AXIS, cache_shards="positions"))
           assert all((np.asarray(s.counts) == 0).all() for s in cache.exchange)
           summed = lamport.state_shapes(batch, config.hidden, d, (
               lamport.default_config(batch, config.hidden) if unfused

@@ -144,10 +144,11 @@ def test_loss_and_gradients_match_the_reference(d, impl):
 def test_prefill_and_decode_steps_match_the_reference(d, impl):
   """Prompts of ragged lengths (3, 8, 5, 1 of 8, right-padded), then three
   decode steps: every step's logits against the reference's at that
-  position. The cache holds 16 positions over D devices, so prompts and new
-  tokens cross shard boundaries; the padding's keys and values stay in the
-  cache and must be masked by the lengths."""
-  _check_prefill_and_decode(d, impl, "sharded", [3, 8, 5, 1])
+  position. The cache holds 16 positions over D devices (sharded by
+  positions), so prompts and new tokens cross shard boundaries; the
+  padding's keys and values stay in the cache and must be masked by the
+  lengths."""
+  _check_prefill_and_decode(d, impl, "sharded", [3, 8, 5, 1], cache_shards="positions")
 
 
 @pytest.mark.parametrize("d,lengths", [(1, [3, 8, 5, 1]), (2, [3, 8, 5, 1]), (4, [3, 8, 5, 1]),
@@ -156,20 +157,31 @@ def test_decode_over_replicated_activations_matches_the_reference(d, lengths):
   """activations="replicated" (local matmuls, an all-reduce after each
   row-parallel one): the same steps as above, also with a batch of 3 that
   does not split over D (refused with the activations sharded)."""
-  _check_prefill_and_decode(d, "auto", "replicated", lengths)
+  _check_prefill_and_decode(d, "auto", "replicated", lengths, cache_shards="positions")
 
 
 @pytest.mark.parametrize("impl", ["auto", "xla_bsp"])
 @pytest.mark.parametrize("activations", ["sharded", "replicated"])
 @pytest.mark.parametrize("d", [1, 2, 4])
 def test_decode_over_a_cache_sharded_by_heads_matches_the_reference(d, activations, impl):
-  """The same steps with `prefill(..., cache_shards="heads")`: each device
-  holds every position of its KV heads and attends over them locally."""
+  """The same steps with the cache by heads (`prefill`'s default): each
+  device holds every position of its KV heads and attends over them
+  locally."""
   _check_prefill_and_decode(d, impl, activations, [3, 8, 5, 1], cache_shards="heads")
 
 
-def _check_prefill_and_decode(d, impl, activations, lengths, cache_shards="positions"):
-  batch, seq, steps, cache_len = len(lengths), 8, 3, 16
+def test_a_cache_by_heads_takes_any_length():
+  """By heads no device splits the positions: a cache of 13 positions over
+  2 devices serves the same steps (by positions it is refused by name)."""
+  _check_prefill_and_decode(2, "auto", "replicated", [3, 8, 5], cache_shards="heads",
+                            cache_len=13)
+  with pytest.raises(ValueError, match="cache_shards='positions', a multiple of the axis size 2"):
+    _check_prefill_and_decode(2, "auto", "replicated", [3, 8, 5], cache_shards="positions",
+                              cache_len=13)
+
+
+def _check_prefill_and_decode(d, impl, activations, lengths, *, cache_shards, cache_len=16):
+  batch, seq, steps = len(lengths), 8, 3
   mesh, params, ref, gen = _setup(d, "decode", d, impl, activations, cache_shards)
   lengths = np.array(lengths, np.int32)
   text = gen.integers(0, CONFIG.vocab, (batch, seq + steps)).astype(np.int32)
@@ -293,10 +305,11 @@ def test_auto_decode_activations_follow_the_exchange_kernels(d, batch, has_state
 
 
 def test_a_cache_sharded_by_heads_has_no_gather_and_attends_locally(monkeypatch):
-  """With `cache_shards="heads"` the plan and the state have no heads'
-  gather, "auto" still takes replicated activations over the Lamport sums,
-  and `explain` names a local attention (axis size 1) over this device's
-  heads and every position; an unknown layout is refused by name."""
+  """With the cache by heads (the default) the plan and the state have no
+  heads' gather, "auto" still takes replicated activations over the Lamport
+  sums, and `explain` names a local attention (axis size 1) over this
+  device's heads and every position, and over a cache by positions says
+  what the heads layout measured; an unknown layout is refused by name."""
   platform = _fake_hopper(monkeypatch)
   config = transformer.MODELS["70b"]
   with platform.compiled_without_slice_fusion():
@@ -308,13 +321,16 @@ def test_a_cache_sharded_by_heads_has_no_gather_and_attends_locally(monkeypatch)
   assert "gather" not in qkv and "-> xla (activations replicated)" in qkv, qkv
   attend = next(line for line in lines if line.startswith("decode attention: "))
   assert attend.endswith("(the cache sharded by heads)"), attend
+  default = transformer.explain(config, axis_size=4, decode_batch=32, cache_len=32768)
+  assert next(line for line in default if line.startswith("decode att")) == attend
   positions = next(line for line in transformer.explain(
-      config, axis_size=4, decode_batch=32, cache_len=32768) if line.startswith("decode att"))
-  assert "(the cache sharded by positions; by heads" in positions, positions
+      config, axis_size=4, decode_batch=32, cache_len=32768, cache_shards="positions")
+                   if line.startswith("decode att"))
+  assert "(the cache sharded by positions; by heads (the default)" in positions, positions
   with jax.set_mesh(testkit.mesh_1d(4)):
     state = transformer.exchange_state(config, 32, axis_name=AXIS, cache_shards="heads")
   assert state.gathered is None and state.summed is not None
-  with pytest.raises(ValueError, match="cache shards='rows': expected 'positions'"):
+  with pytest.raises(ValueError, match="cache shards='rows': expected 'heads'"):
     transformer.cache_specs(AXIS, LAYERS, "rows")
   with pytest.raises(ValueError, match="cache shards='rows'"):
     transformer.empty_cache(CONFIG, LAYERS, 2, 8, "rows")
@@ -344,11 +360,12 @@ def test_replicated_activations_without_a_state(impl, kernel, monkeypatch):
 
 def test_auto_decode_activations_with_impl_pallas(monkeypatch):
   """impl="pallas" under "auto" activations: the Lamport kernels where they
-  run (a program without the fusion, the state given), else sharded
-  activations through the collective matmul kernels, not an error."""
+  run (a program without the fusion, the state given; every site of a cache
+  by positions: the sums and the heads' gather), else sharded activations
+  through the collective matmul kernels, not an error."""
   platform = _fake_hopper(monkeypatch)
   plan = functools.partial(transformer.decode_plan, transformer.MODELS["70b"], axis_size=4,
-                           batch=32, impl="pallas")
+                           batch=32, impl="pallas", cache_shards="positions")
   with platform.compiled_without_slice_fusion():
     assert plan().activations == "replicated" and all(plan().kernel_sites)
     unstated = plan(has_state=False)
@@ -583,10 +600,12 @@ def test_choices_are_visible():
 
 def test_replicated_decode_activations_are_explained_and_checked():
   """explain says what a decode step over replicated activations runs in
-  place of the collective matmuls; an unknown `activations` and, with the
-  activations sharded, a batch that does not split are refused by name."""
+  place of the collective matmuls (over a cache by positions, with the
+  heads' gather); an unknown `activations` and, with the activations
+  sharded, a batch that does not split are refused by name."""
   lines = transformer.explain(transformer.MODELS["70b"], axis_size=4, decode_batch=32,
-                              cache_len=32768, decode_activations="replicated")
+                              cache_len=32768, decode_activations="replicated",
+                              cache_shards="positions")
   qkv = next(line for line in lines if line.startswith("decode qkv: decode_matmul: impl='xla'"
                                                        " -> xla, then"))
   assert "the heads' all_gather: impl='auto' -> xla; pallas rejected: the Pallas kernels" in qkv

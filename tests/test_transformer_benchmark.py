@@ -136,6 +136,32 @@ def test_variants_follow_the_flag_and_reject_unknown_names():
       bench.variants()
 
 
+def test_the_table_pairs_each_cache_layout_with_its_own_bsp():
+  """fused against bsp (the default cache by heads) and fused_positions
+  against bsp_positions (a cache by positions) are separate rows of one
+  case, each with its own ratio; a variant outside the pairs makes no row."""
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,bsp,fused_positions,"
+                                          "bsp_positions"]):
+    layouts = [(v.name, v.cache_shards, v.decode_activations) for v in bench.variants()]
+  assert layouts == [("fused", "heads", "auto"), ("bsp", "heads", "replicated"),
+                     ("fused_positions", "positions", "auto"),
+                     ("bsp_positions", "positions", "sharded")]
+  base = "70b/D4/decode/b32_s32768"
+  rec = lambda variant, ms: {"key": f"{base}/{variant}", "model": "70b", "d": 4, "step": "decode",
+                             "shape": "b32_s32768", "status": "ok", "cupti_ms": ms,
+                             "dispatch_ms": ms, "time_utc": "2026-11-28T02:00:00"}
+  records = [rec("fused", 4.9), rec("bsp", 5.1), rec("fused_positions", 5.2),
+             rec("bsp_positions", 5.8), rec("fused_entry", 1.0)]
+  rows = {bench.step_label(r): r for r in bench.speedups(records)}
+  assert sorted(rows) == ["decode", "decode, by positions"]
+  assert rows["decode"]["speedup_dispatch"] == pytest.approx(5.1 / 4.9)
+  assert rows["decode, by positions"]["speedup_dispatch"] == pytest.approx(5.8 / 5.2)
+  section = model_table.markdown([{"devices": 4, "device_kind": "H100", "tag": "h100x4",
+                                   "jax_version": "0.11.2", "layers": 8, "records": records}])
+  assert "| 70b | 4 | decode, by positions | 32 x 32K | 5.20 / 5.20 / - | 5.80 / 5.80 / - |" in (
+      section), section
+
+
 def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatch):
   """fused_replicated_pallas compiles its programs with XLA's dynamic-slice
   fusion off and traces them under that promise (the Lamport kernels' check

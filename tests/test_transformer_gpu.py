@@ -83,7 +83,7 @@ def test_training_gradients_match_the_xla_model(d):
 
 @pytest.mark.parametrize("activations, decode_impl", [
     ("sharded", "auto"), ("replicated", "auto"), ("replicated", "pallas"), ("auto", "jitted"),
-    ("auto", "jitted_heads")])
+    ("auto", "jitted_positions")])
 @pytest.mark.parametrize("d", [2, 4])
 def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, monkeypatch):
   """Eight prompts of ragged lengths (a quarter to all of 256 tokens) in a
@@ -93,10 +93,12 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   kernels, their states in the cache, the step's program compiled with XLA's
   dynamic-slice fusion off as `transformer.jitted` does, and the column
   matmuls through `decode_matmul`'s kernel at this model's narrow widths;
-  "jitted": `transformer.jitted`'s decode step as a user gets it, whose
-  "auto" must take replicated activations and the Lamport kernels here, and
-  make their state; "jitted_heads": the same over a cache that `prefill`
-  sharded by KV heads, attended locally by the decode kernel, with no gather),
+  "jitted": `transformer.jitted`'s decode step as a user gets it, over the
+  cache `prefill` makes by default (by KV heads, attended locally by the
+  decode kernel, with no gather), whose "auto" must take replicated
+  activations and the Lamport sums here, and make their state;
+  "jitted_positions": the same over a cache by positions, with the Lamport
+  gather of the step's heads; the other cases' caches by positions too),
   the XLA model's sharded, its cache by positions."""
   monkeypatch.setattr(decode_matmul, "MIN_TILES", 1)
   mesh, params, gen = _setup(d)
@@ -109,10 +111,12 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   with jax.set_mesh(mesh):
     for impl, attention in (("auto", None), ("xla_bsp", "xla")):
       common = dict(config=CONFIG, axis_name=AXIS, impl=impl)
-      shards = "heads" if impl == "auto" and decode_impl == "jitted_heads" else "positions"
+      by_default = impl == "auto" and decode_impl == "jitted"  # prefill's default layout
+      shards = "heads" if by_default else "positions"
       logits, cache = jax.jit(functools.partial(
-          transformer.prefill, cache_len=cache_len, attention=attention, cache_shards=shards,
-          **common))(params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
+          transformer.prefill, cache_len=cache_len, attention=attention,
+          **({} if by_default else {"cache_shards": shards}), **common))(
+              params, testkit.put(mesh, prompts, P()), testkit.put(mesh, lengths, P()))
       assert cache.shards == shards
       lamport = impl == "auto" and decode_impl == "pallas"
       if impl == "auto" and decode_impl.startswith("jitted"):
@@ -145,8 +149,8 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
   np.testing.assert_array_equal(got_cache.lengths, lengths + steps)
   # Per layer per step, two all-reduces and one gather of the heads (none
   # over a cache sharded by heads) through the kernels' states, or none.
-  if decode_impl in ("pallas", "jitted", "jitted_heads"):
-    assert (got_cache.exchange.gathered is None) == (decode_impl == "jitted_heads")
+  if decode_impl in ("pallas", "jitted", "jitted_positions"):
+    assert (got_cache.exchange.gathered is None) == (decode_impl == "jitted")
     for state, per_layer in zip(got_cache.exchange, (2, 1)):
       assert state is None or (np.asarray(state.counts) == per_layer * LAYERS * steps).all()
   else:
