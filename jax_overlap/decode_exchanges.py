@@ -83,8 +83,7 @@ def exchange_impl_for(impl: str) -> str:
   return impl if impl in ("auto", "pallas") else "xla"
 
 
-def _exchange_shapes(config, batch: int, axis_size: int,
-                     cache_shards: str = "heads") -> DecodeExchanges:
+def _exchange_shapes(config, batch: int, axis_size: int, cache_shards: str) -> DecodeExchanges:
   """Each site's per-device state shape (rows, cols): the sums' output, the
   gather's operand (None: no gather, the cache sharded by heads)."""
   heads = (config.q_heads + 2 * config.kv_heads) // axis_size
