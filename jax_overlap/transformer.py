@@ -602,7 +602,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
 
   Raises:
     ValueError: as for `loss`; the exchange kernel chosen (impl="pallas",
-      activations="replicated") and cache.exchange None.
+      activations="replicated") and cache.exchange None, or made for the
+      other layout of the cache (`exchange_state`'s `cache_shards`).
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]
@@ -617,6 +618,16 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
         " needs its persistent buffers: cache = dataclasses.replace(cache, exchange=transformer."
         f"exchange_state(config, {b}, axis_name={axis_name!r}, cache_shards={cache.shards!r}))"
         " before the first step (`transformer.jitted`'s decode step makes it), or impl='auto'.")
+  if any(kernel_sites):
+    missing = [site for site, kernel, state in zip(DecodeExchanges._fields, kernel_sites,
+                                                   cache.exchange) if kernel and state is None]
+    if missing:
+      raise ValueError(
+          f"cache.exchange has no state for the {', '.join(missing)} exchange this decode step"
+          " runs through the Lamport kernel: it was made for another layout of the cache (this"
+          f" one's shards: {cache.shards!r}). Make it for this one: cache = dataclasses.replace("
+          f"cache, exchange=transformer.exchange_state(config, {b}, axis_name={axis_name!r},"
+          f" cache_shards={cache.shards!r})).")
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
     raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"

@@ -356,6 +356,18 @@ def test_replicated_activations_without_a_state(impl, kernel, monkeypatch):
     with jax.set_mesh(mesh), platform.compiled_without_slice_fusion(), pytest.raises(
         ValueError, match=r"cache.exchange is None.*transformer.exchange_state\(config, 4"):
       jax.eval_shape(step, params, jnp.zeros(4, jnp.int32), cache)
+    # A state made for the cache by heads (no gather site) given with a cache
+    # by positions, whose step gathers the heads through the kernel.
+    by_positions = jax.eval_shape(lambda: transformer.empty_cache(config, LAYERS, 4, 16,
+                                                                   "positions"))
+    with jax.set_mesh(mesh):
+      heads_state = jax.eval_shape(lambda: transformer.exchange_state(
+          config, 4, axis_name=AXIS, cache_shards="heads"))
+    assert heads_state.gathered is None
+    with jax.set_mesh(mesh), platform.compiled_without_slice_fusion(), pytest.raises(
+        ValueError, match=r"no state for the gathered exchange.*cache_shards='positions'"):
+      jax.eval_shape(step, params, jnp.zeros(4, jnp.int32),
+                     dataclasses.replace(by_positions, exchange=heads_state))
 
 
 def test_auto_decode_activations_with_impl_pallas(monkeypatch):

@@ -134,7 +134,7 @@ def test_prefill_and_decode_match_the_xla_model(d, activations, decode_impl, mon
             activations=activations if impl == "auto" else "sharded"), donate_argnums=2)
       if lamport:
         cache = dataclasses.replace(cache, exchange=transformer.exchange_state(
-            CONFIG, 8, axis_name=AXIS))
+            CONFIG, 8, axis_name=AXIS, cache_shards=shards))
       seen = [logits]
       for t in range(steps):
         logits, cache = step(params, testkit.put(mesh, tokens[:, t], P()), cache)
