@@ -178,7 +178,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   page_major: bool = False, one_sender: bool = False,
                   storing_blocks: int | None = None, spread: bool = False,
                   passes: int = 1, in_flight: int = 1, prewarm: int = 0,
-                  loads_after: int = 0, axis_name: str = spmd.AXIS):
+                  loads_after: int = 0, trickle_us: int = 0, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -220,7 +220,17 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
       d, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
       peer = {axis_name: lax.rem(me + 1, d)}
       dst = plgpu.remote_ref(out_ref, peer)
-      if delay_us:
+      if delay_us and trickle_us:
+        with jax.named_scope("delay"):
+          @pl.loop(0, delay_us // trickle_us)
+          def _(_):
+            spin_for(trickle_us)
+
+            @pl.when(block == 0)
+            def _():
+              plgpu.copy_smem_to_gmem(tile, dst.at[pl.ds(0, ROWS), pl.ds(0, COLS)])
+              plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      elif delay_us:
         with jax.named_scope("delay"):
           spin_for(delay_us)
       if stagger_ns:
@@ -311,11 +321,15 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
 
 
 SUITES = ("causes", "order", "after_big", "ramp", "size", "in_flight", "prewarm", "idle",
-          "after_small", "loads")
+          "after_small", "loads", "long_idle")
 # suite "loads": the TMA loads every block awaits after its stores are issued.
 LOADS_AFTER = 32
 # suite "idle": how long the short kernel after a long one first idles (µs).
 IDLE_GAPS_US = (10, 40, 150, 500)
+# suite "long_idle": longer idle stretches (µs), each also with block 0
+# storing one tile every TRICKLE_US of it.
+LONG_IDLE_GAPS_US = (1000, 2000, 5000)
+TRICKLE_US = (20, 200)
 # prewarm: the stores each warming block keeps in flight (8 blocks with 16
 # each never stalled: session 37), and the suite's warming blocks.
 PREWARM_IN_FLIGHT = 16
@@ -348,7 +362,10 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   short kernel first idling IDLE_GAPS_US (scope `delay`): if NVLink drops
   into a low-power state after some idle time and takes ~100 µs to come
   back (session 37's reading: few SMs stall too once they move tens of MB),
-  the short kernel stalls from some gap on. Suite "after_small": the kernel
+  the short kernel stalls from some gap on. Suite "long_idle": the same
+  after LONG_IDLE_GAPS_US, plainly and with block 0 storing a tile every
+  TRICKLE_US of the idle stretch (whether a trickle keeps the link out of
+  the state the stall leaves). Suite "after_small": the kernel
   after one with 1/16, 1/4 or 1/2 of its stores, in one program: how much
   traffic before it takes its stall away. Suite "loads": every block (or the
   first 4) issues its stores without awaiting them, then every block awaits
@@ -384,10 +401,11 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
                fn(remote=True, landed=True, stagger_ns=ns) for ns in STAGGERS_NS},
             f"{into}, each landed, device 0 alone": fn(remote=True, landed=True, one_sender=True),
             **local}
-  def after_big(delay_us: int = 0, first: int = 4 * stores):
+  def after_big(delay_us: int = 0, first: int = 4 * stores, trickle_us: int = 0):
     def pair():
       big = stores_kernel(blocks, first, remote=True, landed=True)()
-      small = stores_kernel(blocks, stores, remote=True, landed=True, delay_us=delay_us)()
+      small = stores_kernel(blocks, stores, remote=True, landed=True, delay_us=delay_us,
+                            trickle_us=trickle_us)()
       return big, small
     return spmd.per_shard(pair, mesh, (), (P(spmd.AXIS), P(spmd.AXIS))), ()
   if suite == "after_big":
@@ -397,6 +415,13 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   if suite == "idle":
     return {f"{into}, each landed, after one with {4 * stores} stores and {us} µs idle":
             after_big(us) for us in IDLE_GAPS_US}
+  if suite == "long_idle":
+    return {
+        **{f"{into}, each landed, after one with {4 * stores} stores and {us} µs idle":
+           after_big(us) for us in LONG_IDLE_GAPS_US},
+        **{f"{into}, each landed, after one with {4 * stores} stores and {us} µs idle, a tile"
+           f" every {t} µs": after_big(us, trickle_us=t)
+           for us in LONG_IDLE_GAPS_US for t in TRICKLE_US}}
   if suite == "loads":
     return {f"{into}, none awaited, then {LOADS_AFTER} local loads each":
                 fn(remote=True, loads_after=LOADS_AFTER),

@@ -171,6 +171,19 @@ def test_peer_store_probe_idle_suite_lowers_for_cuda():
     assert f"add.u64 wait, wait, {us * 1000}" in module
 
 
+def test_peer_store_probe_long_idle_suite_lowers_for_cuda():
+  """Suite "long_idle": a program of two kernels per gap, plainly and per
+  trickle period, each different; the trickling ones spin for the period
+  and store inside the delay loop."""
+  modules = _suite_modules("long_idle", 8, 4)
+  gaps, trickles = peer_store_probe.LONG_IDLE_GAPS_US, peer_store_probe.TRICKLE_US
+  assert len(modules) == len(set(modules)) == len(gaps) * (1 + len(trickles))
+  for us, module in zip(gaps, modules):
+    assert f"add.u64 wait, wait, {us * 1000}" in module
+  for t, module in zip([t for _ in gaps for t in trickles], modules[len(gaps):]):
+    assert f"add.u64 wait, wait, {t * 1000}" in module
+
+
 def test_peer_store_probe_after_small_suite_lowers_for_cuda():
   """Suite "after_small": one program per size of the kernel run first."""
   modules = _suite_modules("after_small", 8, 16)
