@@ -178,7 +178,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   page_major: bool = False, one_sender: bool = False,
                   storing_blocks: int | None = None, spread: bool = False,
                   passes: int = 1, in_flight: int = 1, prewarm: int = 0,
-                  loads_after: int = 0, trickle_us: int = 0, axis_name: str = spmd.AXIS):
+                  loads_after: int = 0, trickle_us: int = 0, reduce: bool = False,
+                  axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -297,7 +298,8 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
         if first_shared:
           row_tile = jnp.where(i == 0, 0, row_tile)
         plgpu.copy_smem_to_gmem(
-            tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS)])
+            tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS)],
+            reduction_op="add" if reduce else None)
         if not loads_after:
           plgpu.wait_smem_to_gmem(in_flight - 1 if landed else 0, wait_read_only=not landed)
 
@@ -321,7 +323,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
 
 
 SUITES = ("causes", "order", "after_big", "ramp", "size", "in_flight", "prewarm", "idle",
-          "after_small", "loads", "long_idle")
+          "after_small", "loads", "long_idle", "reduce")
 # suite "loads": the TMA loads every block awaits after its stores are issued.
 LOADS_AFTER = 32
 # suite "idle": how long the short kernel after a long one first idles (µs).
@@ -365,7 +367,11 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   the short kernel stalls from some gap on. Suite "long_idle": the same
   after LONG_IDLE_GAPS_US, plainly and with block 0 storing a tile every
   TRICKLE_US of the idle stretch (whether a trickle keeps the link out of
-  the state the stall leaves). Suite "after_small": the kernel
+  the state the stall leaves). Suite "reduce": plain stores against TMA
+  reduce-adds (bf16), each landed and 8 in flight per block, into the next
+  device and into this one: whether a peer's reduce-adds (the
+  reduce-scatter kernel's partials) cross NVLink at the stores' rate.
+  Suite "after_small": the kernel
   after one with 1/16, 1/4 or 1/2 of its stores, in one program: how much
   traffic before it takes its stall away. Suite "loads": every block (or the
   first 4) issues its stores without awaiting them, then every block awaits
@@ -422,6 +428,14 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
         **{f"{into}, each landed, after one with {4 * stores} stores and {us} µs idle, a tile"
            f" every {t} µs": after_big(us, trickle_us=t)
            for us in LONG_IDLE_GAPS_US for t in TRICKLE_US}}
+  if suite == "reduce":
+    return {f"{into}, each landed": fn(remote=True, landed=True),
+            f"{into}, reduce-adds, each landed": fn(remote=True, landed=True, reduce=True),
+            f"{into}, 8 in flight each": fn(remote=True, landed=True, in_flight=8),
+            f"{into}, reduce-adds, 8 in flight each":
+                fn(remote=True, landed=True, in_flight=8, reduce=True),
+            "into this device (no exchange), reduce-adds": fn(remote=False, reduce=True),
+            **local}
   if suite == "loads":
     return {f"{into}, none awaited, then {LOADS_AFTER} local loads each":
                 fn(remote=True, loads_after=LOADS_AFTER),

@@ -184,6 +184,18 @@ def test_peer_store_probe_long_idle_suite_lowers_for_cuda():
     assert f"add.u64 wait, wait, {t * 1000}" in module
 
 
+def test_peer_store_probe_reduce_suite_lowers_for_cuda():
+  """Suite "reduce": four kernels into the next device (stores and
+  reduce-adds, each landed or 8 in flight), each different, then this
+  device's with reduce-adds and with stores; the reduce-adds' kernels hold
+  a TMA reduction, the others none."""
+  *remote, local_reduce, local = _suite_modules("reduce", 8, 16)
+  assert len(remote) == len(set(remote)) == 4
+  assert all("mosaic_gpu.device_id_load" in m for m in remote)
+  reduces = ["cp.reduce.async.bulk" in m for m in (*remote, local_reduce, local)]
+  assert reduces == [False, True, False, True, True, False], reduces
+
+
 def test_peer_store_probe_after_small_suite_lowers_for_cuda():
   """Suite "after_small": one program per size of the kernel run first."""
   modules = _suite_modules("after_small", 8, 16)
