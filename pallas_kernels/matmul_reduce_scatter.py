@@ -69,6 +69,15 @@ partial is added, no own tile waits; one warpgroup of block 0 waits for all
 the peers' halves (one count) after the block's own announcements, so the
 output is complete on exit.
 
+With `config.receive` (experimental, RS v19), no partial is reduce-added:
+a peer tile is stored plainly into slot s (its sender's step) of the
+owner's receive buffer [D - 1, M/D, N], a second output, and the own tile
+into the output; no tile waits (block 0's first warpgroup awaits every peer
+half once at the end, as with interleave), and an XLA fusion after the
+kernel adds the D - 1 received partials to the own one in float32: a
+receive buffer and a second pass, bought for plain stores over NVLink where
+the link bounds the call (short K_shard).
+
 Designs measured and dropped (benchmarks/NOTES.md, RS v2-v5): the tile
 staged whole in shared memory under one store (`drip` was faster at every
 measured shape), and sender blocks forwarding partials staged in HBM (a gain
@@ -181,6 +190,18 @@ class MatmulReduceScatterConfig:
       one_fence 3-10 µs less per call than one_fence alone at D = 4 on 4
       H200s, 39.7 against 49.8 µs at 64 x 4096 x 8192); GPU-tested at D = 2
       and 4, experimental at other D.
+    receive: every partial is a plain store, none a reduce-add: a peer
+      tile's into its sender's slot of the owner's receive buffer [D - 1,
+      rows, N] (a second kernel output), the own tile's into the output; no
+      tile waits for another device (block 0's first warpgroup awaits every
+      peer half once at the end, as with interleave), and XLA adds the D - 1
+      received partials to the own one in float32 after the kernel (one
+      elementwise pass over (D + 1) x rows x N elements). For link-bound
+      shapes (short K_shard), if TMA reduce-adds into a peer cross NVLink
+      slower than plain stores (the o projection's partials leave the
+      default kernel at ~180-240 GB/s, against ~360 for stores: RS v6-v12,
+      benchmarks/NOTES.md, RS v19). Not with add_all, interleave or
+      whole_rows. Experimental: lowering-tested, not yet run on GPUs.
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -193,6 +214,7 @@ class MatmulReduceScatterConfig:
   interleave: bool = False
   one_fence: bool = False
   narrow_partials: bool = False
+  receive: bool = False
 
   def padded_rows(self, rows: int, axis_size: int = 1) -> int:
     """Rows per device that the kernel computes: `rows` rounded up to a
@@ -306,7 +328,8 @@ VARIANTS = {"plain": lambda config: config, "add_all": with_add_all, "drip": wit
             "drip_add_all_interleave": lambda config: dataclasses.replace(
                 with_drip(with_add_all(config)), interleave=True),
             "drip_add_all_one_fence": lambda config: dataclasses.replace(
-                with_drip(with_add_all(config)), one_fence=True)}
+                with_drip(with_add_all(config)), one_fence=True),
+            "drip_receive": lambda config: dataclasses.replace(with_drip(config), receive=True)}
 
 
 # whole_rows' K splits trade the weight's streaming from HBM (more items keep
@@ -383,6 +406,9 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.interleave:
     return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
             " GPUs (benchmarks/NOTES.md, RS v12).")
+  if config.receive:
+    return ("config.receive is experimental: lowering-tested, not yet run on GPUs"
+            " (benchmarks/NOTES.md, RS v19).")
   if config.one_fence and not config.whole_rows:
     return ("config.one_fence without whole_rows is experimental: level with the default at"
             " D = 2 and 4 (benchmarks/NOTES.md, RS v13, v16).")
@@ -497,6 +523,10 @@ def unsupported_reason(rows: int, k_shard: int, n: int, dtype,
   if config.interleave and not (config.add_all and config.announce_lag == 1):
     return ("config.interleave needs add_all (no own tile may wait for the peers' partials) and"
             f" announce_lag=1; got add_all={config.add_all}, announce_lag={config.announce_lag}.")
+  if config.receive and (config.add_all or config.interleave):
+    return ("config.receive stores every partial plainly (none is reduce-added, no tile waits):"
+            f" not with add_all or interleave; got add_all={config.add_all},"
+            f" interleave={config.interleave}.")
   if config.drip and t.epi_slots != (t.tile_m // t.epi_tile_m) * (t.tile_n // t.epi_tile_n):
     return ("config.drip needs one epilogue slot per granule (tiles.epi_slots = granules per"
             " warpgroup tile): build the config with `with_drip`.")
@@ -664,18 +694,22 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
   grid = min(num_sms, total)
   zeroers = _zeroers(total, grid)
   meet = remote and config.entry  # the in-kernel handshake instead of XLA's barrier
+  # receive: peers' partials stored into this device's receive buffer, summed after.
+  receive = remote and config.receive
+  # One count of every peer half, awaited once at the end (no own tile waits).
+  one_count = interleave or receive
 
-  def body(x_ref, w_ref, out_ref):
+  def body(x_ref, w_ref, out_ref, *recv):
     me = (lax.axis_index(axis_name) if remote else 0) if exchange else standalone.index
     wg = lax.axis_index(gemm_core.WG_AXIS)
     sm = lax.axis_index("sm")
     peers_in = _meet_peers(axis_name, d, me, sm, wg) if meet else None
     if remote:
-      # landed[t, wg]: the peers' halves of own tile t; interleaved, one count
-      # of every peer half, awaited once at the end.
-      landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,) if interleave else (per_step, 2)))
+      # landed[t, wg]: the peers' halves of own tile t; interleaved or with
+      # receive, one count of every peer half, awaited once at the end.
+      landed = pl.get_global(plgpu.SemaphoreType.REGULAR((1,) if one_count else (per_step, 2)))
       first_in = (pl.get_global(plgpu.SemaphoreType.REGULAR((d, per_step, 2)))
-                  if d > 2 and not add_all else None)
+                  if d > 2 and not (add_all or receive) else None)
       # ready[o]: how many of device o's zeroing warpgroups (2 per zeroer
       # block) have zeroed their share of o's output (add_all).
       ready = pl.get_global(plgpu.SemaphoreType.REGULAR((d,))) if add_all else None
@@ -702,7 +736,7 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       @jax.named_scope("signal")
       def _():
         plgpu.wait_smem_to_gmem(pending, wait_read_only=False)
-        sem = landed.at[0] if interleave else landed.at[t, wg]
+        sem = landed.at[0] if one_count else landed.at[t, wg]
         for s in range(d - 1):
           pl.when(step == s)(lambda s=s: signals.signal(
               plgpu.remote_ref(sem, {axis_name: owner(s)}), "sys"))
@@ -715,10 +749,11 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
 
     def waits(lin):
       """Whether tile `lin` waits for a peer's announcement before its
-      epilogue: an own tile (for the peers' partials) or, without add_all, a
-      later sender's (for the first sender's store)."""
+      epilogue: an own tile (for the peers' partials; not with receive) or,
+      without add_all or receive, a later sender's (for the first sender's
+      store)."""
       step = place(lin)[0]
-      w = step == d - 1
+      w = jnp.logical_and(step == d - 1, not receive)  # receive: no tile waits
       if first_in is not None:
         w = w | ((step > 0) & (step < d - 1))
       return w
@@ -744,6 +779,10 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
       at = (pl.ds(chunk * tiles.cta_m, tiles.cta_m), pl.ds(n_idx * tiles.cta_n, tiles.cta_n))
       if not exchange:
         return [gemm_core.TileStore(out_ref.at[s].at[at], when=step == s) for s in range(d - 1)]
+      if receive:  # slot s of the owner's buffer: from its sender at step s, me
+        return [gemm_core.TileStore(
+            plgpu.remote_ref(recv[0], {axis_name: owner(s)}).at[s].at[at], when=step == s)
+                for s in range(d - 1)]
       return [gemm_core.TileStore(plgpu.remote_ref(out_ref, {axis_name: owner(s)}).at[at],
                                   when=step == s, reduction="add" if s or add_all else None)
               for s in range(d - 1)]
@@ -823,14 +862,15 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
             pl.semaphore_wait(ready.at[owner(step)], 2 * zeroers, decrement=False)
             signals.async_proxy_fence()
 
-        if not interleave:
+        if not one_count:
           @pl.when(step == d - 1)
           @jax.named_scope("wait_peers")
           def _():
             pl.semaphore_wait(landed.at[t, wg], d - 1, decrement=False)
             signals.async_proxy_fence()
 
-      own = gemm_core.TileStore(out_ref.at[at], when=step == d - 1, reduction="add")
+      own = gemm_core.TileStore(out_ref.at[at], when=step == d - 1,
+                                reduction=None if receive else "add")
       # With drip a peer tile's epilogue only stages it (no store runs).
       stores = [own] if drip else [*peer_stores(lin), own]
       with jax.named_scope("tile"):
@@ -874,13 +914,19 @@ def matmul_reduce_scatter(x, w, *, axis_name=None, config: MatmulReduceScatterCo
         pl.when((wg < 2) & (mine >= 2) & jnp.logical_not(waits(last)))(
             lambda: announce(last - grid))
       pl.when((wg < 2) & (mine > 0))(lambda: announce(last))
-      if interleave:  # after the block's own announcements: no two blocks wait on each other
+      if one_count:  # after the block's own announcements: no two blocks wait on each other
         _await_peer_halves(landed, 2 * (d - 1) * per_step, sm, wg)
     gemm_core.final_wait()
 
   shape = (padded, n) if exchange else (d, padded, n)
-  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=jax.ShapeDtypeStruct(shape, x.dtype),
-                         num_sms=grid, interpret=interpret, skip_device_barrier=meet)(x, w)
+  out_type = jax.ShapeDtypeStruct(shape, x.dtype)
+  if receive:
+    out_type = (out_type, jax.ShapeDtypeStruct((d - 1, padded, n), x.dtype))
+  out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_type, num_sms=grid,
+                         interpret=interpret, skip_device_barrier=meet)(x, w)
+  if receive:  # the own partial and the D - 1 received, summed in float32
+    own, received = out
+    out = (own.astype(jnp.float32) + received.astype(jnp.float32).sum(0)).astype(x.dtype)
   out = out[..., :rows, :]
   return vma.mark_varying(out, vma.varying_axes(x, w, axis_name=axis_name if exchange else None))
 

@@ -470,7 +470,8 @@ def test_only_the_unmeasured_variants_are_experimental():
   """Benchmarks and the GPU suite leave experimental variants out unless
   named; the measured ones stay in."""
   assert {v for v in rs.VARIANTS if rs.experimental_variant(v)} == {
-      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave", "drip_add_all_one_fence"}
+      "drip_lag2", "drip_add_all_lag2", "drip_add_all_interleave", "drip_add_all_one_fence",
+      "drip_receive"}
 
 
 @pytest.mark.parametrize("d,per_step,grid", [
@@ -524,6 +525,41 @@ def test_interleave_lowers_for_cuda_with_one_wait_for_the_peers(d):
 def test_interleave_needs_add_all_and_the_first_announce_lag(change, words):
   config = dataclasses.replace(rs.with_drip(_config(128, "n")), **change)
   assert words in rs.unsupported_reason(128, 4096, 256, BF16, config)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_receive_lowers_for_cuda_with_plain_stores_and_one_wait(d):
+  """receive (RS v19): no TMA reduce-add in the kernel (the default's
+  partials are reduce-added), the own tiles wait for no partial (one count
+  awaited at the end, no async-proxy fence in that wait), a second output
+  of D - 1 slots summed after the kernel; explain flags it."""
+  m, k, n = 512 * d, 2048, 4096
+  base = rs.base_config(m // d, k, n, BF16, axis_size=d, num_sms=132)
+  config = rs.VARIANTS["drip_receive"](base)
+  assert config.receive and config.drip and not config.add_all
+  assert rs.unsupported_reason(m // d, k, n, BF16, config) is None
+  assert "receive is experimental" in rs.experimental_reason(config, axis_size=d)
+  module = _cuda_module(config, m, k, n, d)
+  reducing = _cuda_module(rs.VARIANTS["drip"](base), m, k, n, d)
+  assert "cp.reduce.async.bulk" in reducing and "cp.reduce.async.bulk" not in module
+  assert "wait_peers/semaphore_wait" in module and "wait_peers/inline_mgpu_p" not in module
+  assert "wait_first" not in module and "wait_ready" not in module
+  out_types = {}
+
+  def body(x, w):
+    out = rs.matmul_reduce_scatter(x, w, axis_name="x", config=config, num_sms=132)
+    out_types["out"] = out.aval
+    return out
+  _cuda_module(config, m, k, n, d, body=body)
+  assert out_types["out"].shape == (m // d, n) and out_types["out"].dtype == BF16
+
+
+@pytest.mark.parametrize("change", [dict(add_all=True), dict(add_all=True, interleave=True)],
+                         ids=["add_all", "interleave"])
+def test_receive_refuses_add_all_and_interleave(change):
+  config = dataclasses.replace(rs.VARIANTS["drip_receive"](_config(128, "n")), **change)
+  assert "config.receive stores every partial plainly" in rs.unsupported_reason(
+      128, 4096, 256, BF16, config)
 
 
 # --- whole_rows: every owner's row block in one tile, K split -------------------------
