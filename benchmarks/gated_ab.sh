@@ -38,11 +38,13 @@ case "${OP:-}" in
     TESTS=tests/test_matmul_reduce_scatter_gpu.py; BENCH=benchmarks.matmul_reduce_scatter
     TT=${TT:-70}; PRE="each_design and "
     declare -A K=([plain]="plain" [add_all]="add_all and not drip"
-                  [drip]="drip and not add_all and not lag2"
+                  [drip]="drip and not add_all and not lag2 and not receive"
                   [drip_add_all]="drip_add_all and not lag2 and not interleave"
                   [drip_lag2]="drip_lag2" [drip_add_all_lag2]="drip_add_all_lag2"
-                  [drip_add_all_interleave]="drip_add_all_interleave")
-    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2 drip_add_all_interleave"
+                  [drip_add_all_interleave]="drip_add_all_interleave"
+                  [drip_receive]="drip_receive")
+    ORDER="plain add_all drip drip_add_all drip_lag2 drip_add_all_lag2 drip_add_all_interleave
+           drip_receive"
     BASE=${BASE_IMPLS:-pallas,user_bsp,gemm_alone,reduce_scatter_alone};;
   ag)
     TESTS=tests/test_all_gather_matmul_gpu.py; BENCH=benchmarks.all_gather_matmul
