@@ -39,7 +39,11 @@ after the block's next K loop
 (or after its last tile) once landed; later senders (D > 2) wait for the
 step-0 sender's announcement, own tiles for the D - 1 peers' (add_all: only
 the latter, after zeroing the output at HBM speed; interleaved, RS v12, none,
-and the call ends when the last partial has landed). Against H100: 2048 rows
+and the call ends when the last partial has landed). A partial reduce-added
+into a peer crosses the link at `Machine.reduce_link` (set equal to the
+stores' rate: not measured yet), a stored one at `link`; with receive (RS
+v19) every partial is stored, no tile waits, and the call ends when the
+last partial has landed plus an HBM pass summing the D partials. Against H100: 2048 rows
 at D = 2 1.27 (measured 1.31), at D = 4 1.80 (measured 1.98); 8192 rows 1.05
 at D = 2 and 4 (measured 1.22 and 1.30: the many-wave loss is not this).
 """
@@ -74,7 +78,8 @@ DEFAULT_SHAPES = {
 
 # The designs compared: AG (send, stream); RS config variants.
 DESIGNS = (("forward", False), ("ring", False), ("forward", True), ("ring", True))
-RS_VARIANTS = ("plain", "add_all", "drip", "drip_add_all", "drip_add_all_interleave")
+RS_VARIANTS = ("plain", "add_all", "drip", "drip_add_all", "drip_add_all_interleave",
+               "drip_receive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,7 @@ class Machine:
   sms: int = 132
   flops_per_sm: float = 5.0e12  # bf16 wgmma per SM, sustained
   link: float = 350e9  # bytes/s out of a device, both directions busy
+  reduce_link: float = 350e9  # the same for TMA reduce-adds into a peer (not measured)
   hbm: float = 3.35e12  # bytes/s
   delta_us: float = 2.0  # a signal's way to the peer
   samples: int = 16  # parts of a K loop that a streamed wait resolves
@@ -153,7 +159,13 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
   total = d * per_step
   grid = min(machine.sms, total)
   tile_us = 2 * t.cta_m * t.cta_n * k_shard / machine.flops_per_sm * 1e6
-  xfer_us = t.cta_m * t.cta_n * 2 / machine.link * 1e6
+  tile_bytes = t.cta_m * t.cta_n * 2
+  # A peer partial's time on the link: stored (step 0 without add_all, every
+  # one with receive) or reduce-added.
+  xfer_of = lambda step: tile_bytes / (
+      machine.link if config.receive or (step == 0 and not config.add_all)
+      else machine.reduce_link) * 1e6
+  no_own_wait = config.interleave or config.receive
   granules = (t.tile_m // t.epi_tile_m) * (t.tile_n // t.epi_tile_n)
   wait_frac = max(0.0, (granules - t.epi_slots) / granules)
   zero_us = padded * n * 2 / machine.hbm * 1e6 if config.add_all else 0.0
@@ -185,9 +197,9 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
     if kind == "k_done" and lin >= grid and place(lin - grid)[0] < d - 1:
       announce(lin - grid, now)  # the block's previous tile, one tile late
     needs = []
-    if d > 2 and 0 < step < d - 1 and not config.add_all:
+    if d > 2 and 0 < step < d - 1 and not (config.add_all or config.receive):
       needs.append(number(0, t_idx))  # the step-0 sender's tile (its timing is this device's)
-    if step == d - 1 and not config.interleave:
+    if step == d - 1 and not no_own_wait:
       needs += [number(s, t_idx) for s in range(d - 1)]
     if missing := [x for x in needs if x not in announced]:
       waiters.setdefault(missing[0], []).append(b)
@@ -199,6 +211,7 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
     if config.drip:  # the epilogue stages into slots the last peer tile's granules may still hold
       end = max(end, slots_free[b])
     if step < d - 1:  # the epilogue into a peer
+      xfer_us = xfer_of(step)
       start = max(link_free, end)
       link_free = start + xfer_us
       landed[lin] = link_free + machine.delta_us
@@ -213,9 +226,12 @@ def rs_span_over_gemm(m: int, k_shard: int, n: int, d: int, variant: str = "plai
     elif step < d - 1:
       announce(lin, end)
   assert position == [len(tiles) for tiles in tiles_of], "the modelled schedule deadlocked"
-  # Interleaved, no own tile waits: the call ends when the last peer partial
-  # has landed (block 0's last wait).
-  end = max(done_at + ([max(landed.values()) + machine.delta_us] if config.interleave else []))
+  # Interleaved or with receive, no own tile waits: the call ends when the
+  # last peer partial has landed (block 0's last wait); receive's sum then
+  # reads the D partials and writes the output.
+  end = max(done_at + ([max(landed.values()) + machine.delta_us] if no_own_wait else []))
+  if config.receive:
+    end += (d + 1) * padded * n * 2 / machine.hbm * 1e6
   return end / (total / machine.sms * tile_us)
 
 

@@ -68,7 +68,7 @@ def test_the_rs_command_prints_every_variant(capsys):
                                           "--axis_sizes=4", "--shapes=2048x4096x4096"]):
     model.main()
   out = capsys.readouterr().out
-  assert "plain, add_all, drip, drip_add_all, drip_add_all_interleave" in out
+  assert "plain, add_all, drip, drip_add_all, drip_add_all_interleave, drip_receive" in out
   [row] = [line for line in out.splitlines() if line.startswith("| ")]
   assert row.startswith("| 2048x4096x4096 | D = 4: ")
   assert row.count(" / ") == len(model.RS_VARIANTS) - 1
@@ -82,7 +82,7 @@ def test_rs_interleave_spares_the_link_where_the_tiles_outpace_it():
   tiles spread among them (RS v12) keep the link's load under its rate. Where
   the link keeps up, interleaving costs nothing (its last wave is own tiles)."""
   for link in (240e9, 300e9):
-    h200 = model.Machine(flops_per_sm=6.0e12, link=link, hbm=4.8e12)
+    h200 = model.Machine(flops_per_sm=6.0e12, link=link, reduce_link=link, hbm=4.8e12)
     step_major = model.rs_span_over_gemm(8192, 2048, 8192, 4, "drip_add_all", h200)
     spread = model.rs_span_over_gemm(8192, 2048, 8192, 4, "drip_add_all_interleave", h200)
     assert spread < step_major - 0.1, (link, spread, step_major)
@@ -90,3 +90,20 @@ def test_rs_interleave_spares_the_link_where_the_tiles_outpace_it():
   for shape in ((8192, 4096, 7168), (2048, 4096, 4096), (8192, 7168, 8192)):
     assert model.rs_span_over_gemm(*shape, 4, "drip_add_all_interleave", h200) <= (
         model.rs_span_over_gemm(*shape, 4, "drip_add_all", h200) + 0.005), shape
+
+
+def test_rs_receive_pays_where_reduce_adds_are_slower_than_stores():
+  """RS v19 at the model's o projection (D = 4, H200-like): with the peers'
+  reduce-adds at ~240 GB/s and stores at 350, storing every partial and
+  summing after the kernel beats drip + add_all; at equal rates it does not
+  (its sum pass costs), and at a GEMM-bound shape (down) it is slower."""
+  slow_adds = model.Machine(flops_per_sm=6.0e12, reduce_link=240e9, hbm=4.8e12)
+  even = model.Machine(flops_per_sm=6.0e12, hbm=4.8e12)
+  o = (8192, 2048, 8192, 4)
+  assert model.rs_span_over_gemm(*o, "drip_receive", slow_adds) < (
+      model.rs_span_over_gemm(*o, "drip_add_all", slow_adds) - 0.1)
+  assert model.rs_span_over_gemm(*o, "drip_receive", even) >= model.rs_span_over_gemm(
+      *o, "drip_add_all", even) - 0.02
+  down = (8192, 7168, 8192, 4)
+  assert model.rs_span_over_gemm(*down, "drip_receive", even) > model.rs_span_over_gemm(
+      *down, "drip_add_all", even)
