@@ -45,6 +45,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import importlib
 import json
 import os
 import pathlib
@@ -76,6 +77,9 @@ from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import flash_decode as fd_kernel
 from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
+
+# The package exports a function of this module's name: take the module.
+rs_op = importlib.import_module("jax_overlap.matmul_reduce_scatter")
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "GPU: the 70b model, train and prefill at 1 x 8192, decode at batch 32 over"
@@ -209,8 +213,9 @@ class Variant:
   whether its matmul sums run unfused (`decode_collectives.
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
   (`decode_matmul.xla_only`), how the KV cache is sharded
-  (`transformer.KVCache.shards`), and XLA compile options ((name, value)
-  pairs)."""
+  (`transformer.KVCache.shards`), XLA compile options ((name, value)
+  pairs), and the reduce-scatter kernel's design where its default drips
+  (`matmul_reduce_scatter.kernel_design`; None: the default's)."""
   name: str
   impl: str
   decode_impl: str | None
@@ -221,6 +226,7 @@ class Variant:
   xla_columns: bool = False
   cache_shards: str = "heads"
   compiler_options: tuple[tuple[str, object], ...] = ()
+  rs_design: str | None = None
 
   @contextlib.contextmanager
   def tracing(self):
@@ -232,7 +238,7 @@ class Variant:
     no_fusion = dict(self.compiler_options).get(_NO_SLICE_FUSION[0][0]) is False
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
         self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
-            decode_matmul.xla_only(self.xla_columns)), (
+            decode_matmul.xla_only(self.xla_columns)), rs_op.kernel_design(self.rs_design), (
             platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
       yield
 
@@ -252,6 +258,9 @@ def variants() -> tuple[Variant, ...]:
   activations: `auto`'s before session 46), fused_entry (fused, the kernels
   meeting inside), fused_kernels (fused, `auto` taking the kernels wherever
   they run, e.g. at the decode-size matmuls that its tables give BSP),
+  fused_rs_interleave / fused_rs_receive (fused, the reduce-scatter kernel
+  interleaving its own tiles, RS v12, or storing every partial plainly into
+  a receive buffer, RS v19, wherever its default drips),
   fused_replicated_pallas (by positions, replicated activations, impl=
   "pallas": the decode kernel, the matmul with the Lamport all-reduce in its
   epilogue and the Lamport all-gather; `decode_matmul`'s kernel for the
@@ -270,6 +279,8 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused_sharded", "auto", None, decode_activations="sharded", **by_positions),
       Variant("fused_entry", "auto", None, entry=True),
       Variant("fused_kernels", "auto", None, kernels=True),
+      Variant("fused_rs_interleave", "auto", None, rs_design="drip_add_all_interleave"),
+      Variant("fused_rs_receive", "auto", None, rs_design="drip_receive"),
       Variant("fused_replicated_pallas", "pallas", None, **pallas),
       Variant("fused_replicated_pallas_unfused", "pallas", None, unfused_sums=True, **pallas),
       Variant("fused_replicated_pallas_xla_columns", "pallas", None, xla_columns=True, **pallas),

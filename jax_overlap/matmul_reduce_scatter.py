@@ -7,6 +7,8 @@ with its rows of the summed product. This is the second matmul of a
 sequence-parallel transformer block (row-parallel weights).
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -42,12 +44,42 @@ class Problem:
   process_reason: str | None = None
 
 
+_DESIGN = contextvars.ContextVar("jax_overlap_matmul_reduce_scatter_design", default=None)
+
+
+@contextlib.contextmanager
+def kernel_design(name: str | None):
+  """Inside the block, where the kernel's default config sends its peer
+  tiles a granule at a time (`drip`: past one wave of tiles), it takes the
+  design `kernel.VARIANTS[name]` on the same base tiles instead, its
+  `entry` as the default's (trace-time, like `dispatch.meet_inside_kernels`).
+  A measuring switch for a model's steps, not a default: `benchmarks.
+  transformer --model_variants=fused_rs_interleave,fused_rs_receive` times
+  the designs that the o projection's link-bound exchange may want (RS v12,
+  v19); `explain` shows the design's caveat where it is experimental."""
+  if name is not None and name not in kernel.VARIANTS:
+    raise ValueError(f"kernel_design: unknown design {name!r}; known: {sorted(kernel.VARIANTS)}.")
+  token = _DESIGN.set(name)
+  try:
+    yield
+  finally:
+    _DESIGN.reset(token)
+
+
 def _kernel_config(p: Problem) -> kernel.MatmulReduceScatterConfig:
   """The caller's config, else the kernel's heuristic for this job
-  (`dispatch.for_this_job`)."""
-  return p.config or dispatch.for_this_job(kernel.default_config(
-      p.m // p.axis_size, p.k_shard, p.n, p.dtype, axis_size=p.axis_size,
-      num_sms=platform.num_sms()))
+  (`dispatch.for_this_job`), or inside `kernel_design` that design where the
+  heuristic drips."""
+  if p.config:
+    return p.config
+  rows = p.m // p.axis_size
+  config = dispatch.for_this_job(kernel.default_config(
+      rows, p.k_shard, p.n, p.dtype, axis_size=p.axis_size, num_sms=platform.num_sms()))
+  if (design := _DESIGN.get()) is None or not config.drip:
+    return config
+  return dataclasses.replace(kernel.VARIANTS[design](kernel.base_config(
+      rows, p.k_shard, p.n, p.dtype, axis_size=p.axis_size, num_sms=platform.num_sms())),
+                             entry=config.entry)
 
 
 def _pallas_support(p: Problem) -> str | None:

@@ -1,8 +1,8 @@
 """Which implementation runs, and why: explain_* and the DEBUG log."""
 
 import dataclasses
-import importlib
 import functools
+import importlib
 import json
 import logging
 
@@ -345,6 +345,33 @@ def test_explain_marks_experimental_kernel_configs(monkeypatch):
   for choice, field in ((streamed, "stream"), (lagged, "announce_lag")):
     assert choice.impl == "pallas" and field in choice.caveat and "experimental" in choice.caveat
     assert "caveat: " in str(choice)
+
+
+def test_a_reduce_scatter_design_switch_applies_where_the_default_drips(monkeypatch):
+  """`matmul_reduce_scatter.kernel_design`: inside, the default config of a
+  many-wave problem (the model's o projection at D = 4) takes the named
+  design on the base tiles, its caveat shown by explain; a one-wave problem
+  keeps the default, a caller's config is never changed, outside nothing
+  changes, and an unknown name is refused with the known ones."""
+  from pallas_kernels import matmul_reduce_scatter as rsk  # pylint: disable=import-outside-toplevel
+  mrs_op = importlib.import_module("jax_overlap.matmul_reduce_scatter")
+  _as_on_hopper(monkeypatch)
+  o = (S(8192, 2048), S(2048, 8192))
+  default = jax_overlap.explain_matmul_reduce_scatter(*o, axis_size=4, impl="pallas")
+  assert default.caveat is None
+  with mrs_op.kernel_design("drip_receive"):
+    receive = jax_overlap.explain_matmul_reduce_scatter(*o, axis_size=4, impl="pallas")
+    one_wave = jax_overlap.explain_matmul_reduce_scatter(S(256, 2048), S(2048, 1024),
+                                                         axis_size=4, impl="pallas")
+    given = jax_overlap.explain_matmul_reduce_scatter(
+        *o, axis_size=4, impl="pallas",
+        config=rsk.default_config(2048, 2048, 8192, BF16, axis_size=4, num_sms=132))
+  assert "receive is experimental" in receive.caveat
+  assert one_wave.caveat is None and given.caveat is None
+  assert jax_overlap.explain_matmul_reduce_scatter(*o, axis_size=4, impl="pallas").caveat is None
+  with pytest.raises(ValueError, match=r"unknown design 'fast'.*drip_receive"):
+    with mrs_op.kernel_design("fast"):
+      pass
 
 
 def test_explain_with_an_axis_name_checks_peer_access(monkeypatch):

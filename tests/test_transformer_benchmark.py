@@ -131,6 +131,11 @@ def test_variants_follow_the_flag_and_reject_unknown_names():
                    ("bsp_no_slice_fusion", "xla_bsp", False,
                     {"xla_gpu_enable_dynamic_slice_fusion": False})]
   assert platform.LOOP_FLAG == "--xla_gpu_enable_dynamic_slice_fusion=false"  # the same option
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused_rs_interleave,"
+                                          "fused_rs_receive"]):
+    designs = [(v.name, v.impl, v.rs_design) for v in bench.variants()]
+  assert designs == [("fused_rs_interleave", "auto", "drip_add_all_interleave"),
+                     ("fused_rs_receive", "auto", "drip_receive")]
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=fused,fast"]):
     with pytest.raises(app.UsageError, match="unknown.*fast"):
       bench.variants()
