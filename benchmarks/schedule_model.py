@@ -43,9 +43,10 @@ and the call ends when the last partial has landed). A partial reduce-added
 into a peer crosses the link at `Machine.reduce_link` (set equal to the
 stores' rate: not measured yet), a stored one at `link`; with receive (RS
 v19) every partial is stored, no tile waits, and the call ends when the
-last partial has landed plus an HBM pass summing the D partials. Against H100: 2048 rows
-at D = 2 1.27 (measured 1.31), at D = 4 1.80 (measured 1.98); 8192 rows 1.05
-at D = 2 and 4 (measured 1.22 and 1.30: the many-wave loss is not this).
+last partial has landed plus an HBM pass summing the D partials. Against
+H100: 2048 rows at D = 2 1.27 (measured 1.31), at D = 4 1.80 (measured
+1.98); 8192 rows 1.05 at D = 2 and 4 (measured 1.22 and 1.30: the many-wave
+loss is not this).
 """
 
 import dataclasses
