@@ -184,6 +184,17 @@ def decode_plan(config, *, axis_size: int, batch: int, impl: str = "auto",
   return DecodePlan("sharded", none, f"the exchange kernels do not all run: {no_kernel}")
 
 
+def exchange_state_shapes(config, batch: int, axis_size: int, cache_shards: str
+                          ) -> DecodeExchanges:
+  """`exchange_state`'s per-device shapes and dtypes: each site's
+  `decode_collectives` state shapes (None: no gather, the cache by heads)."""
+  summed, gathered = _exchange_shapes(config, batch, axis_size, cache_shards)
+  return DecodeExchanges(
+      summed=decode_collectives.matmul_state_shapes(*summed, axis_size),
+      gathered=None if gathered is None else decode_collectives.state_shapes(
+          *gathered, axis_size))
+
+
 def exchange_state(config, batch: int, *, axis_name: str, mesh=None,
                    cache_shards: str = "heads") -> DecodeExchanges:
   """A fresh `transformer.KVCache.exchange` for decode steps of `batch` sequences over

@@ -86,6 +86,7 @@ from jax_overlap.decode_exchanges import decode_exchange_choices
 from jax_overlap.decode_exchanges import decode_plan
 from jax_overlap.decode_exchanges import exchange_impl_for
 from jax_overlap.decode_exchanges import exchange_state
+from jax_overlap.decode_exchanges import exchange_state_shapes
 from jax_overlap.flash_decode import explain as explain_flash_decode
 from jax_overlap.flash_decode import flash_decode
 from jax_overlap.layers import LayerWeight
@@ -538,6 +539,34 @@ def prefill(params, tokens, lengths=None, *, cache_len: int, config: Transformer
   return logits, KVCache(k, v, lengths.astype(jnp.int32), shards=cache_shards)
 
 
+def _check_exchange_state(cache: KVCache, config: TransformerConfig, batch: int, d: int,
+                          kernel_sites: DecodeExchanges, axis_name: str) -> None:
+  """Raises ValueError where `cache.exchange` lacks a state that the step
+  runs through the Lamport kernel (made for the other layout of the cache)
+  or holds one of other shapes (made for another batch or model), naming
+  the `exchange_state` call that fits."""
+  want = exchange_state_shapes(config, batch, d, cache.shards)
+  fix = (" Make it for this step: cache = dataclasses.replace(cache, exchange=transformer."
+         f"exchange_state(config, {batch}, axis_name={axis_name!r},"
+         f" cache_shards={cache.shards!r})).")
+  for site, kernel, state, shapes in zip(DecodeExchanges._fields, kernel_sites, cache.exchange,
+                                         want):
+    if not kernel:
+      continue
+    if state is None:
+      raise ValueError(
+          f"cache.exchange has no state for the {site} exchange this decode step runs through"
+          f" the Lamport kernel: it was made for another layout of the cache (this one's"
+          f" shards: {cache.shards!r})." + fix)
+    got = [(tuple(a.shape[1:]), jnp.dtype(a.dtype)) for a in state]  # [D, ...] stacked
+    expected = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in shapes]
+    if got != expected:
+      raise ValueError(
+          f"cache.exchange.{site} holds per-device state arrays {got}, but a decode step of"
+          f" {batch} sequences of this model over {d} devices needs {expected}: it was made for"
+          " another batch or model." + fix)
+
+
 def _check_cache_placement(cache: KVCache, axis_name: str) -> None:
   """Raises ValueError where a placed cache array lies otherwise than
   `cache.shards` says: the step would move the whole cache between the two
@@ -619,15 +648,7 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
         f"exchange_state(config, {b}, axis_name={axis_name!r}, cache_shards={cache.shards!r}))"
         " before the first step (`transformer.jitted`'s decode step makes it), or impl='auto'.")
   if any(kernel_sites):
-    missing = [site for site, kernel, state in zip(DecodeExchanges._fields, kernel_sites,
-                                                   cache.exchange) if kernel and state is None]
-    if missing:
-      raise ValueError(
-          f"cache.exchange has no state for the {', '.join(missing)} exchange this decode step"
-          " runs through the Lamport kernel: it was made for another layout of the cache (this"
-          f" one's shards: {cache.shards!r}). Make it for this one: cache = dataclasses.replace("
-          f"cache, exchange=transformer.exchange_state(config, {b}, axis_name={axis_name!r},"
-          f" cache_shards={cache.shards!r})).")
+    _check_exchange_state(cache, config, b, d, kernel_sites, axis_name)
   layers = params["layers"]["w_o"].shape[0]
   if len(cache.k) != layers or len(cache.v) != layers:
     raise ValueError(f"cache: expected one k and one v array per layer ({layers}), got"

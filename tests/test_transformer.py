@@ -368,6 +368,15 @@ def test_replicated_activations_without_a_state(impl, kernel, monkeypatch):
         ValueError, match=r"no state for the gathered exchange.*cache_shards='positions'"):
       jax.eval_shape(step, params, jnp.zeros(4, jnp.int32),
                      dataclasses.replace(by_positions, exchange=heads_state))
+    # A state made for another batch (8 sequences, the step has 4).
+    with jax.set_mesh(mesh):
+      other_batch = jax.eval_shape(lambda: transformer.exchange_state(
+          config, 8, axis_name=AXIS, cache_shards="positions"))
+    with jax.set_mesh(mesh), platform.compiled_without_slice_fusion(), pytest.raises(
+        ValueError, match=r"cache.exchange.summed holds .* another batch or model.*"
+        r"exchange_state\(config, 4, axis_name='x', cache_shards='positions'\)"):
+      jax.eval_shape(step, params, jnp.zeros(4, jnp.int32),
+                     dataclasses.replace(by_positions, exchange=other_batch))
 
 
 def test_auto_decode_activations_with_impl_pallas(monkeypatch):
