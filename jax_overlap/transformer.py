@@ -632,7 +632,8 @@ def decode_step(params, tokens, cache: KVCache, *, config: TransformerConfig, ax
   Raises:
     ValueError: as for `loss`; the exchange kernel chosen (impl="pallas",
       activations="replicated") and cache.exchange None, or made for the
-      other layout of the cache (`exchange_state`'s `cache_shards`).
+      other layout of the cache (`exchange_state`'s `cache_shards`), another
+      batch or another model.
   """
   mesh, d, ops = _setup(config, axis_name, mesh, impl, decode_impl, None)
   b = tokens.shape[0]

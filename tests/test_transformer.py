@@ -340,7 +340,8 @@ def test_a_cache_sharded_by_heads_has_no_gather_and_attends_locally(monkeypatch)
 def test_replicated_activations_without_a_state(impl, kernel, monkeypatch):
   """activations="replicated" with the cache holding no exchange state:
   `auto` takes XLA's collectives; impl="pallas" keeps the kernels (and the
-  step refuses the cache, naming the fix)."""
+  step refuses the cache, naming the fix, as it refuses a state made for
+  the other layout of the cache or for another batch)."""
   platform = _fake_hopper(monkeypatch)
   with platform.compiled_without_slice_fusion():
     plan = transformer.decode_plan(transformer.MODELS["70b"], axis_size=4, batch=32, impl=impl,
