@@ -210,7 +210,11 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   are issued without awaiting any (scope `store` is the issue), then every
   block TMA-loads that many [64, 64] tiles of its own rows of this device's
   buffer, each awaited (scope `load`): whether a block's stalled stores into a
-  peer hold up its loads (a GEMM's memory warpgroup issuing them)."""
+  peer hold up its loads (a GEMM's memory warpgroup issuing them); with
+  delay_us and trickle_us, block 0 stores one tile into the peer (its first
+  tile, landed) after every trickle_us of the delay (a link kept busy at a
+  trickle through an idle stretch); with reduce, every store of the loop is
+  a TMA reduce-add (bf16 `add`, as the reduce-scatter kernel's partials)."""
   def body(out_ref, *refs):
     if loads_after:
       *refs, loaded_tile, load_barrier = refs
