@@ -160,7 +160,8 @@ class MatmulReduceScatterConfig:
       partials leave at about (D - 1) / D of the compute's output rate all
       along, not at the whole rate for (D - 1) / D of the call, and no own
       tile waits for the peers' partials (one warpgroup of block 0 waits for
-      all of them after its tiles). Experimental: RS v12, not yet run on GPUs.
+      all of them after its tiles). `default_config`'s at D = 4 where K_shard
+      <= 2048 (RS v20); experimental at other D.
     entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
       handshake, run by block 0's first warpgroup at the start; every
       warpgroup waits for it before its first write into a peer: a zeroer
@@ -201,7 +202,7 @@ class MatmulReduceScatterConfig:
       slower than plain stores (the o projection's partials leave the
       default kernel at ~180-240 GB/s, against ~360 for stores: RS v6-v12,
       benchmarks/NOTES.md, RS v19). Not with add_all, interleave or
-      whole_rows. Experimental: lowering-tested, not yet run on GPUs.
+      whole_rows. Experimental: GPU-tested at D = 4, not faster there (RS v20).
   """
   tiles: gemm_core.GemmTiles = gemm_core.GemmTiles()
   strip_chunks: int | None = None
@@ -277,9 +278,21 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   663.2 at 8192 x 4096 x 7168, 60.0 against 63.2 at 256 x 4096 x 7168, and
   57.5 against 55.0 at 32 x 7168 x 8192 (whole_rows, within the rounds'
   spread of 54-72; `auto` takes BSP there).
+
+  Where the exchange is link-bound (K_shard <= 2048: each output tile of
+  2 x K_shard flops per element sends 2 bytes, so the partials leave at the
+  matmul rate / K_shard, ~400 GB/s at K_shard 2048 on an H200, above the
+  ~270-290 GB/s that reduce-adds carry into a peer) at D = 4: `interleave`
+  on drip + add_all, the own tiles spread among the peers' so that the
+  partials leave over the whole call, with XLA's barrier. Side by side on 4
+  H200s (RS v20, session 50) at the 70B-like o projection, 8192 x 2048 x
+  8192: 464 µs against 503 for drip + add_all with XLA's barrier and 544
+  with `entry` (the previous default); at K_shard 4096 and 7168 interleave
+  was 3-5% slower than drip + add_all (683 against 660 at 8192 x 4096 x
+  7168, 1340 against 1276 at 8192 x 7168 x 8192).
   """
   config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
-  if axis_size in _ENTRY_DEFAULT_AXIS_SIZES:
+  if axis_size in _ENTRY_DEFAULT_AXIS_SIZES and not config.interleave:
     return dataclasses.replace(config, entry=True)
   return config
 
@@ -298,6 +311,8 @@ def _default_design(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
     return config
   if _waves(padded, n, config.tiles, axis_size, num_sms) <= 1:
     return config
+  if axis_size in _INTERLEAVE_DEFAULT_AXIS_SIZES and k_shard <= _INTERLEAVE_MAX_K_SHARD:
+    return dataclasses.replace(with_drip(with_add_all(config)), interleave=True)
   return with_drip(with_add_all(config) if axis_size >= 3 else config)
 
 
@@ -382,6 +397,12 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
 # than XLA's barrier at D = 2 (RS v14, 2 H200s) and D = 4 (RS v16, 4 H200s;
 # RS v5's earlier handshake was slower there on 4 H100s).
 _ENTRY_DEFAULT_AXIS_SIZES = (2, 4)
+# The axis sizes at which `default_config` takes `interleave` at K_shard up to
+# `_INTERLEAVE_MAX_K_SHARD` (RS v20: GPU-tested and measured faster at D = 4,
+# 4 H200s; at D = 8 the partials leave at 7/8 of the tiles' rate, so the
+# same K_shard bound holds on paper, not yet run).
+_INTERLEAVE_DEFAULT_AXIS_SIZES = (4,)
+_INTERLEAVE_MAX_K_SHARD = 2048
 # The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
 # (drip + add_all, plain, whole_rows), the 2 x 2 multi-process job's checks
 # at D = 2 (session 31); at D = 1 the kernel has no peers to meet.
@@ -403,12 +424,14 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
   if config.announce_lag != 1:
     return (f"config.announce_lag={config.announce_lag} is experimental: level with the default"
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
-  if config.interleave:
-    return ("config.interleave is experimental: interpreter- and lowering-tested, not yet run on"
-            " GPUs (benchmarks/NOTES.md, RS v12).")
+  if config.interleave and axis_size not in _INTERLEAVE_DEFAULT_AXIS_SIZES:
+    return (f"config.interleave has passed the GPU tests at D = 4 and is the default there at"
+            f" K_shard <= {_INTERLEAVE_MAX_K_SHARD}; at D = {axis_size} it is interpreter- and"
+            " lowering-tested, not yet run on GPUs (benchmarks/NOTES.md, RS v12, v20).")
   if config.receive:
-    return ("config.receive is experimental: lowering-tested, not yet run on GPUs"
-            " (benchmarks/NOTES.md, RS v19).")
+    return ("config.receive is experimental: it has passed the GPU tests at D = 4 and was"
+            " slower than interleave at K_shard 2048 and level with or slower than drip +"
+            " add_all at K_shard 4096-7168 (4 H200s; benchmarks/NOTES.md, RS v19, v20).")
   if config.one_fence and not config.whole_rows:
     return ("config.one_fence without whole_rows is experimental: level with the default at"
             " D = 2 and 4 (benchmarks/NOTES.md, RS v13, v16).")
