@@ -56,7 +56,9 @@ def kernel_design(name: str | None):
   A measuring switch for a model's steps, not a default: `benchmarks.
   transformer --model_variants=fused_rs_interleave,fused_rs_receive` times
   the designs that the o projection's link-bound exchange may want (RS v12,
-  v19); `explain` shows the design's caveat where it is experimental. Like
+  v19; RS v20 measured both: interleave became the default at D = 4 where
+  K_shard <= 2048, receive was slower); `explain` shows the design's caveat
+  where it is experimental. Like
   `dispatch.meet_inside_kernels` it acts on what is traced inside the block:
   a function jitted and traced before it is not traced again."""
   if name is not None and name not in kernel.VARIANTS:
