@@ -179,7 +179,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
                   storing_blocks: int | None = None, spread: bool = False,
                   passes: int = 1, in_flight: int = 1, prewarm: int = 0,
                   loads_after: int = 0, trickle_us: int = 0, reduce: bool = False,
-                  axis_name: str = spmd.AXIS):
+                  every_peer: bool = False, axis_name: str = spmd.AXIS):
   """Per device, no inputs -> [blocks * 64, stores * 64] bf16 (and with
   warm_other a [64, 64] one), written by the previous device over the axis
   (remote) or by this one; a grid of `blocks` blocks (at most one per SM, so
@@ -214,7 +214,11 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
   delay_us and trickle_us, block 0 stores one tile into the peer (its first
   tile, landed) after every trickle_us of the delay (a link kept busy at a
   trickle through an idle stretch); with reduce, every store of the loop is
-  a TMA reduce-add (bf16 `add`, as the reduce-scatter kernel's partials)."""
+  a TMA reduce-add (bf16 `add`, as the reduce-scatter kernel's partials);
+  with every_peer, block b stores into device me + 1 + b mod (D - 1) instead
+  of the next one (each device sends to all D - 1 peers at once, and for
+  each b the senders still form a permutation, so no rows are written
+  twice)."""
   def body(out_ref, *refs):
     if loads_after:
       *refs, loaded_tile, load_barrier = refs
@@ -225,6 +229,10 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
       d, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
       peer = {axis_name: lax.rem(me + 1, d)}
       dst = plgpu.remote_ref(out_ref, peer)
+      # One remote ref per hop: a TMA store's peer must be recomputable on
+      # the host, so a block picks its hop's ref instead of computing a peer.
+      if every_peer and d > 2:
+        hops = [plgpu.remote_ref(out_ref, {axis_name: lax.rem(me + h, d)}) for h in range(1, d)]
       if delay_us and trickle_us:
         with jax.named_scope("delay"):
           @pl.loop(0, delay_us // trickle_us)
@@ -301,9 +309,14 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
           row_tile = s * blocks // stores
         if first_shared:
           row_tile = jnp.where(i == 0, 0, row_tile)
-        plgpu.copy_smem_to_gmem(
-            tile, dst.at[pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS)],
-            reduction_op="add" if reduce else None)
+        at = (pl.ds(row_tile * ROWS, ROWS), pl.ds(col_tile * COLS, COLS))
+        store = lambda ref: plgpu.copy_smem_to_gmem(tile, ref.at[at],
+                                                    reduction_op="add" if reduce else None)
+        if remote and every_peer and d > 2:
+          for h, ref in enumerate(hops):
+            pl.when(lax.rem(block, d - 1) == h)(lambda ref=ref: store(ref))
+        else:
+          store(dst)
         if not loads_after:
           plgpu.wait_smem_to_gmem(in_flight - 1 if landed else 0, wait_read_only=not landed)
 
@@ -327,7 +340,7 @@ def stores_kernel(blocks: int, stores: int, *, remote: bool, landed: bool = Fals
 
 
 SUITES = ("causes", "order", "after_big", "ramp", "size", "in_flight", "prewarm", "idle",
-          "after_small", "loads", "long_idle", "reduce")
+          "after_small", "loads", "long_idle", "reduce", "every_peer")
 # suite "loads": the TMA loads every block awaits after its stores are issued.
 LOADS_AFTER = 32
 # suite "idle": how long the short kernel after a long one first idles (µs).
@@ -374,7 +387,12 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
   the state the stall leaves). Suite "reduce": plain stores against TMA
   reduce-adds (bf16), each landed and 8 in flight per block, into the next
   device and into this one: whether a peer's reduce-adds (the
-  reduce-scatter kernel's partials) cross NVLink at the stores' rate.
+  reduce-scatter kernel's partials) cross NVLink at the stores' rate (session
+  50: reduce-adds ~7% slower). Suite "every_peer": stores and reduce-adds,
+  each landed and 8 in flight per block, into the next device and into
+  every peer at once (block b into device me + 1 + b mod (D - 1)): whether a
+  device's stores spread over its D - 1 peers leave faster than into one
+  (the reduce-scatter and all-gather kernels send into one peer per step).
   Suite "after_small": the kernel
   after one with 1/16, 1/4 or 1/2 of its stores, in one program: how much
   traffic before it takes its stall away. Suite "loads": every block (or the
@@ -440,6 +458,17 @@ def kernels(mesh, blocks: int, stores: int, suite: str = "causes") -> dict:
                 fn(remote=True, landed=True, in_flight=8, reduce=True),
             "into this device (no exchange), reduce-adds": fn(remote=False, reduce=True),
             **local}
+  if suite == "every_peer":
+    every = "into every peer (block b into device me + 1 + b mod (D - 1))"
+    return {f"{into}, 8 in flight each": fn(remote=True, landed=True, in_flight=8),
+            f"{every}, 8 in flight each":
+                fn(remote=True, landed=True, in_flight=8, every_peer=True),
+            f"{into}, reduce-adds, 8 in flight each":
+                fn(remote=True, landed=True, in_flight=8, reduce=True),
+            f"{every}, reduce-adds, 8 in flight each":
+                fn(remote=True, landed=True, in_flight=8, reduce=True, every_peer=True),
+            f"{into}, each landed": fn(remote=True, landed=True),
+            f"{every}, each landed": fn(remote=True, landed=True, every_peer=True)}
   if suite == "loads":
     return {f"{into}, none awaited, then {LOADS_AFTER} local loads each":
                 fn(remote=True, loads_after=LOADS_AFTER),

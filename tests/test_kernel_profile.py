@@ -70,10 +70,10 @@ def test_durations_by_position_in_each_warpgroup():
       "tile": [10.0, 15.0, 10.0], "epilogue": []}
 
 
-def _suite_modules(suite: str, blocks: int, stores: int) -> list[str]:
+def _suite_modules(suite: str, blocks: int, stores: int, d: int = 2) -> list[str]:
   """The CUDA MLIR of each kernel (or program) of a peer-store probe suite
-  over two devices, in the suite's order."""
-  mesh = jax.make_mesh((2,), (peer_store_probe.spmd.AXIS,))
+  over `d` devices, in the suite's order."""
+  mesh = jax.make_mesh((d,), (peer_store_probe.spmd.AXIS,))
   return [jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
           for fn, args in peer_store_probe.kernels(mesh, blocks, stores, suite=suite).values()]
 
@@ -194,6 +194,19 @@ def test_peer_store_probe_reduce_suite_lowers_for_cuda():
   assert all("mosaic_gpu.device_id_load" in m for m in remote)
   reduces = ["cp.reduce.async.bulk" in m for m in (*remote, local_reduce, local)]
   assert reduces == [False, True, False, True, True, False], reduces
+
+
+def test_peer_store_probe_every_peer_suite_lowers_for_cuda():
+  """Suite "every_peer": stores and reduce-adds (8 in flight, then stores
+  each landed) into the next device and into every peer, six different
+  kernels at D = 4 (a block's peer, one remote ref per hop, recomputable
+  on the host for the TMA descriptors) and at D = 2 (every peer is the next
+  device); the reduce-adds' kernels hold a TMA reduction, the others none."""
+  for d in (4, 2):
+    modules = _suite_modules("every_peer", 8, 16, d=d)
+    assert len(modules) == len(set(modules)) == 6
+    reduces = ["cp.reduce.async.bulk" in m for m in modules]
+    assert reduces == [False, False, True, True, False, False], reduces
 
 
 def test_peer_store_probe_after_small_suite_lowers_for_cuda():
