@@ -289,7 +289,9 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   8192: 464 µs against 503 for drip + add_all with XLA's barrier and 544
   with `entry` (the previous default); at K_shard 4096 and 7168 interleave
   was 3-5% slower than drip + add_all (683 against 660 at 8192 x 4096 x
-  7168, 1340 against 1276 at 8192 x 7168 x 8192).
+  7168, 1340 against 1276 at 8192 x 7168 x 8192). At D = 2 interleave
+  (which needs add_all) was slower than drip at K_shard 2048 (227.5 against
+  210.3 µs at 8192 x 2048 x 4096, 2 H200s).
   """
   config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   if axis_size in _ENTRY_DEFAULT_AXIS_SIZES and not config.interleave:
@@ -426,8 +428,9 @@ def experimental_reason(config: MatmulReduceScatterConfig, *, axis_size: int = 1
             " at D = 2, not yet measured at D = 4 (benchmarks/NOTES.md, RS v8).")
   if config.interleave and axis_size not in _INTERLEAVE_DEFAULT_AXIS_SIZES:
     return (f"config.interleave has passed the GPU tests at D = 4 and is the default there at"
-            f" K_shard <= {_INTERLEAVE_MAX_K_SHARD}; at D = {axis_size} it is interpreter- and"
-            " lowering-tested, not yet run on GPUs (benchmarks/NOTES.md, RS v12, v20).")
+            f" K_shard <= {_INTERLEAVE_MAX_K_SHARD}; at D = {axis_size} it has not passed them"
+            " (interpreter- and lowering-tested; at D = 2 it was slower than the default drip,"
+            " which needs no add_all: benchmarks/NOTES.md, RS v12, v20).")
   if config.receive:
     return ("config.receive is experimental: it has passed the GPU tests at D = 4 and was"
             " slower than interleave at K_shard 2048 and level with or slower than drip +"
