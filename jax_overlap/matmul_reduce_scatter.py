@@ -57,7 +57,7 @@ def kernel_design(name: str | None):
   transformer --model_variants=fused_rs_interleave,fused_rs_receive` times
   the designs that the o projection's link-bound exchange may want (RS v12,
   v19; RS v20 measured both: interleave became the default at D = 4 where
-  K_shard <= 2048, receive was slower); `explain` shows the design's caveat
+  K_shard <= 2560, receive was slower); `explain` shows the design's caveat
   where it is experimental. Like
   `dispatch.meet_inside_kernels` it acts on what is traced inside the block:
   a function jitted and traced before it is not traced again."""

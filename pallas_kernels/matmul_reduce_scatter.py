@@ -161,7 +161,7 @@ class MatmulReduceScatterConfig:
       along, not at the whole rate for (D - 1) / D of the call, and no own
       tile waits for the peers' partials (one warpgroup of block 0 waits for
       all of them after its tiles). `default_config`'s at D = 4 where K_shard
-      <= 2048 (RS v20); experimental at other D.
+      <= 2560 (RS v20); experimental at other D.
     entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
       handshake, run by block 0's first warpgroup at the start; every
       warpgroup waits for it before its first write into a peer: a zeroer
@@ -279,7 +279,7 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   57.5 against 55.0 at 32 x 7168 x 8192 (whole_rows, within the rounds'
   spread of 54-72; `auto` takes BSP there).
 
-  Where the exchange is link-bound (K_shard <= 2048: each output tile of
+  Where the exchange is link-bound (K_shard <= 2560: each output tile of
   2 x K_shard flops per element sends 2 bytes, so the partials leave at the
   matmul rate / K_shard, ~400 GB/s at K_shard 2048 on an H200, above the
   ~270-290 GB/s that reduce-adds carry into a peer) at D = 4: `interleave`
@@ -289,7 +289,10 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   8192: 464 µs against 503 for drip + add_all with XLA's barrier and 544
   with `entry` (the previous default); at K_shard 4096 and 7168 interleave
   was 3-5% slower than drip + add_all (683 against 660 at 8192 x 4096 x
-  7168, 1340 against 1276 at 8192 x 7168 x 8192). At D = 2 interleave
+  7168, 1340 against 1276 at 8192 x 7168 x 8192); at K_shard 2560 (the
+  70B-like qkv projection's input gradient) 522 against 566 for the
+  previous default and 546 for drip + add_all with the barrier (session
+  51). At D = 2 interleave
   (which needs add_all) was slower than drip at K_shard 2048 (227.5 against
   210.3 µs at 8192 x 2048 x 4096, 2 H200s).
   """
@@ -401,10 +404,10 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
 _ENTRY_DEFAULT_AXIS_SIZES = (2, 4)
 # The axis sizes at which `default_config` takes `interleave` at K_shard up to
 # `_INTERLEAVE_MAX_K_SHARD` (RS v20: GPU-tested and measured faster at D = 4,
-# 4 H200s; at D = 8 the partials leave at 7/8 of the tiles' rate, so the
+# 4 H200s, at K_shard 2048 and 2560, slower at 4096 and 7168; at D = 8 the partials leave at 7/8 of the tiles' rate, so the
 # same K_shard bound holds on paper, not yet run).
 _INTERLEAVE_DEFAULT_AXIS_SIZES = (4,)
-_INTERLEAVE_MAX_K_SHARD = 2048
+_INTERLEAVE_MAX_K_SHARD = 2560
 # The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
 # (drip + add_all, plain, whole_rows), the 2 x 2 multi-process job's checks
 # at D = 2 (session 31); at D = 1 the kernel has no peers to meet.

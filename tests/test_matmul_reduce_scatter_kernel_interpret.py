@@ -176,13 +176,14 @@ def test_default_config_strips_only_past_two_waves():
     (2, 1024, 2048, "plain", True), (2, 2048, 2048, "drip", True), (2, 8192, 2048, "drip", True),
     (4, 1024, 4096, "plain", True), (4, 1024, 1024, "plain", True),
     (4, 2048, 4096, "drip_add_all", True), (4, 8192, 4096, "drip_add_all", True),
-    (4, 8192, 2560, "drip_add_all", True),
+    (4, 8192, 3072, "drip_add_all", True),
+    (4, 8192, 2560, "drip_add_all_interleave", False),
     (4, 8192, 2048, "drip_add_all_interleave", False),
     (4, 8192, 1024, "drip_add_all_interleave", False),
     (8, 8192, 1024, "drip_add_all", False)])
 def test_default_config_takes_the_measured_design(d, m, k_shard, design, entry):
   """The design by D, waves and K_shard (RS v6, v20): past one wave drip,
-  with add_all at D >= 3, and at D = 4 with K_shard <= 2048 (the exchange
+  with add_all at D >= 3, and at D = 4 with K_shard <= 2560 (the exchange
   link-bound) interleave too; in one wave plain; each is its `VARIANTS`
   entry on the base tiles, with the in-kernel handshake instead of XLA's
   barrier at D = 2 (RS v14) and D = 4 (RS v16) but for interleave (measured
