@@ -8,7 +8,7 @@ GPU is a plane `/device:GPU:<i>`, each stream a line `Stream #<n>(...)`, each
 kernel an event. Other lines of a GPU plane ("XLA Ops", "XLA Modules", ...)
 restate the same time and are skipped.
 
-    profile = timeline.trace(lambda: jax.block_until_ready(f(x)), calls=3)
+    profile = timeline.trace(lambda: f(x), calls=3)   # back to back
     launches = timeline.device_launches(profile)       # {gpu: [Launch, ...]}
     summary = timeline.summarize(launches, calls=3, category=transformer.category)
 
@@ -39,12 +39,18 @@ class Launch:
 def trace(run: Callable[[], object], calls: int) -> jax.profiler.ProfileData:
   """`run()` `calls` times under `jax.profiler.trace`; its ProfileData.
 
-  `run` must block until its call's work is done (`jax.block_until_ready`),
-  so that the trace holds every kernel of every call."""
+  A `run` that returns its call's outputs without waiting for them gives
+  calls dispatched back to back, as in steady use (the host runs ahead, the
+  GPUs go from one call to the next); the trace ends once the last call's
+  outputs are ready, and so every call's on each device (one stream order).
+  A `run` that blocks (`jax.block_until_ready`) gives calls that each start
+  from idle GPUs, the host's gaps and the devices' start skew between them."""
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
+      out = None
       for _ in range(calls):
-        run()
+        out = run()
+      jax.block_until_ready(out)
     paths = sorted(pathlib.Path(log_dir).rglob("*.xplane.pb"))
     if not paths:
       raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {log_dir}.")
@@ -72,8 +78,8 @@ class DeviceSummary:
   """One GPU's time per call (ms): kernels by category, their sum (busy),
   the time at least one kernel ran (covered: kernels on concurrent streams
   count once), and the span from its first kernel's start to its last one's
-  end (over all the calls, the host's gaps between them included, divided
-  by the calls)."""
+  end (over all the calls, whatever idle time lies between them included,
+  divided by the calls; see `trace`)."""
   by_category_ms: dict[str, float]
   busy_ms: float
   span_ms: float

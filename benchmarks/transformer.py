@@ -123,9 +123,9 @@ _ONE_PROCESS = flags.DEFINE_bool(
     " run one process each, so that memory one D fragmented or held never fails the next D's"
     " cases (sessions 24-25: the D = 2 training step ran out of memory after the D = 4 cases).")
 _TIMELINE_CALLS = flags.DEFINE_integer(
-    "timeline_calls", 0, "Also trace this many calls of each case with jax.profiler: per-GPU"
-    " time by category, busy and span, and each launch of our kernels, XLA's barrier and NCCL"
-    " (the record's `timeline`; benchmarks/timeline.py). 0: no trace.")
+    "timeline_calls", 0, "Also trace this many calls of each case, dispatched back to back, with"
+    " jax.profiler: per-GPU time by category, busy and span, and each launch of our kernels, XLA's"
+    " barrier and NCCL (the record's `timeline`; benchmarks/timeline.py). 0: no trace.")
 _POWER_SECONDS = flags.DEFINE_float(
     "power_seconds", 0.0, "Also run each case's step back to back this long while NVML samples"
     " the GPUs in use: power per GPU, SM clock, the share of samples at the power cap, and energy"
@@ -379,7 +379,9 @@ def _cupti_per_call(fn, args, devices: int):
 
 
 def _timeline(run: Callable[[], object]) -> dict | None:
-  """`--timeline_calls` calls of `run` traced: {"devices": {gpu: busy / span /
+  """`--timeline_calls` calls of `run` (which dispatches one call and returns
+  its outputs unblocked) traced back to back, as the dispatch figure runs
+  them (`timeline.trace`): {"devices": {gpu: busy / span /
   by category, ms per call}, "launches_us": {gpu: {fragment: each launch's
   median µs}}}; None without the flag or without GPU planes (CPU)."""
   calls = _TIMELINE_CALLS.value
@@ -445,7 +447,7 @@ def _time_stateless(fn, args, iterations: int, devices: int) -> dict:
   t = harness.measure(fn, args, iterations=iterations)
   return {"cupti_ms": None if t.cupti_us is None else t.cupti_us / 1e3,
           "dispatch_ms": t.dispatch_us / 1e3, "kernels": t.kernels,
-          "timeline": _timeline(lambda: jax.block_until_ready(fn(*args))),
+          "timeline": _timeline(lambda: fn(*args)),
           "power": _power(lambda: fn(*args), devices)}
 
 
@@ -472,15 +474,11 @@ def _time_threaded(fn, args: tuple, advance: Callable, iterations: int, devices:
       per_call.append(ms)
     result.update(cupti_ms=statistics.median(per_call), kernels=kernels)
 
-  def step():
-    nonlocal args
-    args = jax.block_until_ready(advance(args, fn(*args)))
-  result["timeline"] = _timeline(step)
-
   def launch():  # returns the next call's args: nothing donated yet
     nonlocal args
     args = advance(args, fn(*args))
     return args
+  result["timeline"] = _timeline(launch)
   result["power"] = _power(launch, devices)
   return result, jax.block_until_ready(args)
 

@@ -119,6 +119,24 @@ def test_a_cpu_trace_has_no_gpu_plane():
   assert timeline.device_launches(profile) == {}
 
 
+def test_trace_dispatches_the_calls_back_to_back(monkeypatch):
+  """`trace` calls `run` `calls` times without waiting in between, then
+  waits for the last call's outputs only (earlier ones may be donated)."""
+  f = jax.jit(lambda x: x + 1)
+  events, waited = [], []
+  real_wait = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready", lambda out: (waited.append(out), real_wait(out))[1])
+  outputs = []
+
+  def run():
+    events.append(len(waited))  # how many waits came before this call
+    outputs.append(f(jnp.full((4,), float(len(outputs)))))
+    return outputs[-1]
+
+  timeline.trace(run, calls=3)
+  assert events == [0, 0, 0] and len(waited) == 1 and waited[0] is outputs[-1]
+
+
 def test_a_failed_trace_is_reported_not_raised(monkeypatch):
   """The timeline is a diagnostic: a trace that fails leaves the case's
   figures alone and says why."""
