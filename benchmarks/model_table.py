@@ -77,13 +77,18 @@ def markdown(payloads: list[dict]) -> str:
       row = base, r["cache"]
       step = transformer.step_label(r)
       step = f"{step}, {activations[row]}" if row in activations else step
+      cell = lambda key: " / ".join(_fmt(r[key.format(figure)]) for figure in FIGURES)
+      if r["status"].startswith("apart"):
+        out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {cell('fused_{}_ms')} |"
+                   f" {cell('bsp_{}_ms')} | none: not one run, {r['status']} |"
+                   f" {measured[row] or '?'} |")
+        continue
       if r["status"] != "ok/ok":
         reasons = {x["reason"].split(" | ")[0][:90] for x in records
                    if x["key"].rsplit("/", 1)[0] == base and x["status"] != "ok"}
         out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {r['status']} |"
                    f" {'; '.join(sorted(reasons))} | - | {measured[row] or '?'} |")
         continue
-      cell = lambda key: " / ".join(_fmt(r[key.format(figure)]) for figure in FIGURES)
       out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {cell('fused_{}_ms')} |"
                  f" {cell('bsp_{}_ms')} | {cell('speedup_{}')} | {measured[row] or '?'} |")
     out.append("")

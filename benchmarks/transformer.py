@@ -707,12 +707,27 @@ _FIGURES = {"cupti_ms": lambda r: r.get("cupti_ms"), "dispatch_ms": lambda r: r.
 # the same model on the BSP paths, and the same over a cache by positions
 # (the model's default until session 48: older records of fused and bsp).
 PAIRS = (("fused", "bsp", None), ("fused_positions", "bsp_positions", "positions"))
+# Two records measured further apart than this are not one run's: no ratio
+# between them (a run that re-timed one variant of a pair leaves the other's
+# older record in the JSON; `merge_records`).
+SAME_RUN_MINUTES = 30
+
+
+def _minutes_apart(a: dict, b: dict) -> float | None:
+  """How far apart two records were measured (minutes; None where either
+  has no `time_utc`)."""
+  if "time_utc" not in a or "time_utc" not in b:
+    return None
+  when = lambda r: datetime.datetime.fromisoformat(r["time_utc"])
+  return abs((when(a) - when(b)).total_seconds()) / 60
 
 
 def speedups(records: list[dict]) -> list[dict]:
   """One row per (model, D, step, shape) and pair of `PAIRS` with a record:
   both variants' figures (CUPTI, dispatch, span), bsp / fused for each, and
-  `cache`, the pair's cache layout (None: the default)."""
+  `cache`, the pair's cache layout (None: the default). Ratios only between
+  records of one run (`SAME_RUN_MINUTES`); a pair measured apart has none,
+  and its status says "apart"."""
   by_key = {r["key"]: r for r in records}
   rows, seen = [], set()
   for r in records:
@@ -725,12 +740,15 @@ def speedups(records: list[dict]) -> list[dict]:
       if fused is None and bsp is None:
         continue
       row = {**{k: r[k] for k in ("model", "d", "step", "shape")}, "cache": cache}
+      apart = fused and bsp and (_minutes_apart(fused, bsp) or 0) > SAME_RUN_MINUTES
       for figure, get in _FIGURES.items():
         f = get(fused) if fused and fused["status"] == "ok" else None
         b = get(bsp) if bsp and bsp["status"] == "ok" else None
         row[f"fused_{figure}"], row[f"bsp_{figure}"] = f, b
-        row[f"speedup_{figure.split('_')[0]}"] = b / f if f and b else None
+        row[f"speedup_{figure.split('_')[0]}"] = b / f if f and b and not apart else None
       row["status"] = "/".join((x or {}).get("status", "missing") for x in (fused, bsp))
+      if apart:
+        row["status"] = f"apart ({_minutes_apart(fused, bsp):.0f} min)"
       rows.append(row)
   return rows
 

@@ -167,6 +167,27 @@ def test_the_table_pairs_each_cache_layout_with_its_own_bsp():
       section), section
 
 
+def test_a_pair_measured_in_two_runs_gets_no_ratio():
+  """A run that re-timed only `fused` leaves the older `bsp` record in the
+  JSON (`merge_records`): the table shows both figures and no ratio."""
+  base = "70b/D4/prefill/b1_s8192"
+  rec = lambda variant, ms, when: {"key": f"{base}/{variant}", "model": "70b", "d": 4,
+                                   "step": "prefill", "shape": "b1_s8192", "status": "ok",
+                                   "cupti_ms": ms, "dispatch_ms": ms, "time_utc": when}
+  near = [rec("fused", 50.0, "2026-11-28T05:40:00+00:00"),
+          rec("bsp", 56.6, "2026-11-28T05:55:00+00:00")]
+  far = [near[0], rec("bsp", 56.6, "2026-11-27T21:00:00+00:00")]
+  (row,) = bench.speedups(near)
+  assert row["status"] == "ok/ok" and row["speedup_dispatch"] == pytest.approx(56.6 / 50.0)
+  (row,) = bench.speedups(far)
+  assert row["status"] == "apart (520 min)" and row["speedup_dispatch"] is None
+  assert row["fused_dispatch_ms"] == 50.0 and row["bsp_dispatch_ms"] == 56.6
+  section = model_table.markdown([{"devices": 4, "device_kind": "H200", "tag": "h200x4",
+                                   "jax_version": "0.11.2", "layers": 8, "records": far}])
+  assert ("| 70b | 4 | prefill | 1 x 8192 | 50.00 / 50.00 / - | 56.60 / 56.60 / - |"
+          " none: not one run, apart (520 min) |") in section, section
+
+
 def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatch):
   """fused_replicated_pallas compiles its programs with XLA's dynamic-slice
   fusion off and traces them under that promise (the Lamport kernels' check
