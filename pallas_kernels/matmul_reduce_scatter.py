@@ -403,9 +403,10 @@ def whole_rows_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
 # RS v5's earlier handshake was slower there on 4 H100s).
 _ENTRY_DEFAULT_AXIS_SIZES = (2, 4)
 # The axis sizes at which `default_config` takes `interleave` at K_shard up to
-# `_INTERLEAVE_MAX_K_SHARD` (RS v20: GPU-tested and measured faster at D = 4,
-# 4 H200s, at K_shard 2048 and 2560, slower at 4096 and 7168; at D = 8 the partials leave at 7/8 of the tiles' rate, so the
-# same K_shard bound holds on paper, not yet run).
+# `_INTERLEAVE_MAX_K_SHARD` (RS v20-v21: GPU-tested at D = 4 and measured
+# faster there on 4 H200s at K_shard 2048 and 2560, slower at 4096 and 7168;
+# at D = 8 the partials leave at 7/8 of the tiles' rate, so the same K_shard
+# bound holds on paper, not yet run).
 _INTERLEAVE_DEFAULT_AXIS_SIZES = (4,)
 _INTERLEAVE_MAX_K_SHARD = 2560
 # The axis sizes at which `entry` has run on GPUs: the GPU tests at D = 4
