@@ -161,7 +161,7 @@ class MatmulReduceScatterConfig:
       along, not at the whole rate for (D - 1) / D of the call, and no own
       tile waits for the peers' partials (one warpgroup of block 0 waits for
       all of them after its tiles). `default_config`'s at D = 4 where K_shard
-      <= 2560 (RS v20); experimental at other D.
+      <= 2560 (RS v20, v21); experimental at other D.
     entry: the devices meet inside the kernel (`pallas_kernels.entry`'s
       handshake, run by block 0's first warpgroup at the start; every
       warpgroup waits for it before its first write into a peer: a zeroer
@@ -279,22 +279,21 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   57.5 against 55.0 at 32 x 7168 x 8192 (whole_rows, within the rounds'
   spread of 54-72; `auto` takes BSP there).
 
-  Where the exchange is link-bound (K_shard <= 2560: each output tile of
-  2 x K_shard flops per element sends 2 bytes, so the partials leave at the
-  matmul rate / K_shard, ~400 GB/s at K_shard 2048 on an H200, above the
-  ~270-290 GB/s that reduce-adds carry into a peer) at D = 4: `interleave`
-  on drip + add_all, the own tiles spread among the peers' so that the
-  partials leave over the whole call, with XLA's barrier. Side by side on 4
-  H200s (RS v20, session 50) at the 70B-like o projection, 8192 x 2048 x
-  8192: 464 µs against 503 for drip + add_all with XLA's barrier and 544
-  with `entry` (the previous default); at K_shard 4096 and 7168 interleave
-  was 3-5% slower than drip + add_all (683 against 660 at 8192 x 4096 x
-  7168, 1340 against 1276 at 8192 x 7168 x 8192); at K_shard 2560 (the
-  70B-like qkv projection's input gradient) 522 against 566 for the
-  previous default and 546 for drip + add_all with the barrier (session
-  51). At D = 2 interleave
-  (which needs add_all) was slower than drip at K_shard 2048 (227.5 against
-  210.3 µs at 8192 x 2048 x 4096, 2 H200s).
+  Where the exchange is link-bound (K_shard <= 2560: each output tile of 2 x
+  K_shard flops per element sends 2 bytes, so the partials leave at the matmul
+  rate / K_shard, ~400 GB/s at K_shard 2048 on an H200, above the ~270-290
+  GB/s that reduce-adds carry into a peer) at D = 4: `interleave` on drip +
+  add_all, the own tiles spread among the peers' so that the partials leave
+  over the whole call, with XLA's barrier. Side by side on 4 H200s (RS v20,
+  session 50) at the 70B-like o projection, 8192 x 2048 x 8192: 464 µs against
+  503 for drip + add_all with XLA's barrier and 544 with `entry` (the previous
+  default); at K_shard 4096 and 7168 interleave was 3-5% slower than drip +
+  add_all (683 against 660 at 8192 x 4096 x 7168, 1340 against 1276 at 8192 x
+  7168 x 8192); at K_shard 2560 (the 70B-like qkv projection's input gradient)
+  522 against 566 for drip + add_all with `entry` (the default there before RS
+  v21) and 546 with XLA's barrier (session 51). At D = 2 interleave (which
+  needs add_all) was slower than drip at K_shard 2048 (227.5 against 210.3 µs
+  at 8192 x 2048 x 4096, 2 H200s).
   """
   config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
   if axis_size in _ENTRY_DEFAULT_AXIS_SIZES and not config.interleave:
