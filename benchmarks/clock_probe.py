@@ -10,10 +10,11 @@ NVLink and through HBM while it multiplies; if that power lowers the SM
 clock, part of its time over the GEMM alone is the clock, not the schedule.
 
 For each shape, each case of the op benchmark's (`--impls`, the names its
---impls takes) runs calls back to back for --seconds while a thread samples
-the GPUs' SM clock, power draw and clock-event reasons through NVML
-(`benchmarks.power`) every --sample_ms; the cases take turns for
---clock_rounds rounds. Printed per case (medians over rounds): wall time per call,
+--impls takes) runs calls back to back, first for a second unsampled (NVML's
+power reading averages the last second: `power.POWER_AVERAGING_S`), then for
+--seconds while a thread samples the GPUs' SM clock, power draw and
+clock-event reasons through NVML (`benchmarks.power`) every --sample_ms; the
+cases take turns for --clock_rounds rounds. Printed per case (medians over rounds): wall time per call,
 the median SM clock (MHz) and power (W) of the samples taken while it ran,
 averaged over the GPUs in use (those of CUDA_VISIBLE_DEVICES, else all), the
 energy per call and GPU (power x wall time: at the cap, the figure that sets
@@ -42,7 +43,8 @@ from benchmarks import spmd
 _OPS = {op.name: op for op in (ag_bench.OP, rs_bench.OP, fd_bench.OP)}
 _BENCHMARK = flags.DEFINE_enum("benchmark", "all_gather_matmul", sorted(_OPS),
                                 "The op benchmark whose cases run.")
-_SECONDS = flags.DEFINE_float("seconds", 1.0, "How long each case runs per round.")
+_SECONDS = flags.DEFINE_float("seconds", 1.0, "How long each case runs sampled per round"
+                               " (after a second unsampled).")
 _ROUNDS = flags.DEFINE_integer("clock_rounds", 2, "Rounds; the cases take turns in each.")
 _SAMPLE_MS = flags.DEFINE_float("sample_ms", 10.0, "NVML sampling period.")
 # --shapes, --impls and --out_dir are benchmarks.runner's flags.

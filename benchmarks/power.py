@@ -2,6 +2,8 @@
 
     nvml = power.Nvml(power.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES")))
     wall_us, summary = power.run_sampled(lambda: f(x), nvml, seconds=1.0, sample_ms=10.0)
+    # f ran back to back for 1 s unsampled first (settle_s: NVML's power
+    # reading averages the last second), then 1 s sampled.
 
 NVML is reached through ctypes (the driver's libnvidia-ml.so.1), so nothing
 beyond the driver is needed. Used by `benchmarks.clock_probe` (each op
@@ -112,10 +114,36 @@ def energy_mj(summary: Summary, wall_us: float) -> float:
   return summary.power_w * wall_us / 1e3
 
 
-def run_sampled(call, nvml: Nvml, seconds: float, sample_ms: float) -> tuple[float, Summary]:
-  """Runs `call()` back to back for `seconds` (at most 16 calls in flight)
-  while sampling: (wall µs per call, the samples' summary). `call` launches
-  one call and returns arrays to wait on that no later call donates."""
+# nvmlDeviceGetPowerUsage averages the last second on Ampere and newer GPUs
+# (NVML's reference), Hopper included: a reading taken less than this long
+# after a case starts still holds what ran before it.
+POWER_AVERAGING_S = 1.0
+
+
+def _back_to_back(call, seconds: float) -> int:
+  """Launches `call()` back to back for `seconds`, at most 16 calls in
+  flight, and waits for the last; returns how many ran."""
+  calls, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    out = call()
+    calls += 1
+    if calls % 16 == 0:
+      jax.block_until_ready(out)
+  jax.block_until_ready(out)
+  return calls
+
+
+def run_sampled(call, nvml: Nvml, seconds: float, sample_ms: float,
+                settle_s: float = POWER_AVERAGING_S) -> tuple[float, Summary]:
+  """Runs `call()` back to back for `settle_s` unsampled, then for `seconds`
+  while sampling: (wall µs per call, the samples' summary), both from the
+  sampled stretch. The settling keeps NVML's one-second power average from
+  reaching back into whatever ran before (session 52: without it, the first
+  case of each clock_probe round read ~550 W with the cap's reason set in 95%
+  of its samples, the cases after it ~690 W). `call` launches one call and
+  returns arrays to wait on that no later call donates."""
+  if settle_s > 0:
+    _back_to_back(call, settle_s)
   samples, done = [], threading.Event()
 
   def sampler():
@@ -124,15 +152,10 @@ def run_sampled(call, nvml: Nvml, seconds: float, sample_ms: float) -> tuple[flo
       time.sleep(sample_ms / 1000)
 
   thread = threading.Thread(target=sampler)
-  calls, start = 0, time.perf_counter()
+  start = time.perf_counter()
   thread.start()
   try:
-    while time.perf_counter() - start < seconds:
-      out = call()
-      calls += 1
-      if calls % 16 == 0:
-        jax.block_until_ready(out)
-    jax.block_until_ready(out)
+    calls = _back_to_back(call, seconds)
     wall = time.perf_counter() - start
   finally:
     done.set()

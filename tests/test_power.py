@@ -1,5 +1,7 @@
 """benchmarks.power: the samples' summary, the GPU selection, NVML's absence (CPU)."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -47,10 +49,32 @@ def test_run_sampled_times_calls_while_sampling():
   fn = jax.jit(lambda x: x @ x)
   x = jnp.ones((64, 64))
   fn(x).block_until_ready()
-  us, summary = power.run_sampled(lambda: fn(x), FakeNvml(), seconds=0.05, sample_ms=1.0)
+  us, summary = power.run_sampled(lambda: fn(x), FakeNvml(), seconds=0.05, sample_ms=1.0,
+                                  settle_s=0.0)
   assert 0 < us < 50_000
   assert summary.samples == FakeNvml.calls >= 1
   assert (summary.sm_mhz, summary.power_w, summary.power_capped) == (1500, 400.0, 0)
+
+
+def test_run_sampled_takes_no_sample_while_the_power_average_settles():
+  """NVML's power reading averages the last second: samples start only after
+  the calls have run settle_s back to back, and the timing is the sampled
+  stretch's."""
+  first_call, sample_times = [], []
+
+  class FakeNvml:
+    def sample(self):
+      sample_times.append(time.perf_counter())
+      return (Sample(1500, 690.0, power.POWER_CAP),)
+
+  def call():
+    first_call[:] = first_call or [time.perf_counter()]
+    return jnp.zeros(())
+
+  us, summary = power.run_sampled(call, FakeNvml(), seconds=0.05, sample_ms=1.0, settle_s=0.2)
+  assert summary.samples == len(sample_times) >= 1
+  assert min(sample_times) - first_call[0] >= 0.2
+  assert us < 0.05 * 1e6  # per call over the sampled stretch, not the settling one
 
 
 def test_energy_is_power_over_a_calls_wall_time():
