@@ -14,12 +14,13 @@ For each shape, each case of the op benchmark's (`--impls`, the names its
 power reading averages the last second: `power.POWER_AVERAGING_S`), then for
 --seconds while a thread samples the GPUs' SM clock, power draw and
 clock-event reasons through NVML (`benchmarks.power`) every --sample_ms; the
-cases take turns for --clock_rounds rounds. Printed per case (medians over rounds): wall time per call,
-the median SM clock (MHz) and power (W) of the samples taken while it ran,
-averaged over the GPUs in use (those of CUDA_VISIBLE_DEVICES, else all), the
-energy per call and GPU (power x wall time: at the cap, the figure that sets
-the time; benchmarks/NOTES.md, session 38), and the share of samples with the
-software power cap or a slowdown reason set.
+cases take turns for --clock_rounds rounds. Printed per case (medians over
+rounds): wall time per call, the median SM clock (MHz) and power (W) of the
+samples taken while it ran, averaged over the GPUs in use (those of
+CUDA_VISIBLE_DEVICES, else all), the energy per call and GPU (power x wall
+time: at the cap, the figure that sets the time; benchmarks/NOTES.md, session
+38), and the share of samples with the software power cap or a slowdown
+reason set.
 Writes <device>x<D>_clock_probe.json under --out_dir. NVIDIA GPUs only.
 """
 

@@ -128,7 +128,8 @@ _TIMELINE_CALLS = flags.DEFINE_integer(
     " barrier and NCCL (the record's `timeline`; benchmarks/timeline.py). 0: no trace.")
 _POWER_SECONDS = flags.DEFINE_float(
     "power_seconds", 0.0, "Also run each case's step back to back this long while NVML samples"
-    " the GPUs in use (after a second unsampled: NVML's power reading averages the last second): power per GPU, SM clock, the share of samples at the power cap, and energy"
+    " the GPUs in use (after a second unsampled: NVML's power reading averages the last"
+    " second): power per GPU, SM clock, the share of samples at the power cap, and energy"
     " per step per GPU (the record's `power`; benchmarks/power.py). At the 700 W cap a step's"
     " time is about its energy over the cap (NOTES, session 38). 0: not sampled.")
 _DECODE_SHAPES = flags.DEFINE_list(

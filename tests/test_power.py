@@ -58,8 +58,7 @@ def test_run_sampled_times_calls_while_sampling():
 
 def test_run_sampled_takes_no_sample_while_the_power_average_settles():
   """NVML's power reading averages the last second: samples start only after
-  the calls have run settle_s back to back, and the timing is the sampled
-  stretch's."""
+  the calls have run settle_s back to back."""
   first_call, sample_times = [], []
 
   class FakeNvml:
@@ -71,10 +70,9 @@ def test_run_sampled_takes_no_sample_while_the_power_average_settles():
     first_call[:] = first_call or [time.perf_counter()]
     return jnp.zeros(())
 
-  us, summary = power.run_sampled(call, FakeNvml(), seconds=0.05, sample_ms=1.0, settle_s=0.2)
+  _, summary = power.run_sampled(call, FakeNvml(), seconds=0.05, sample_ms=1.0, settle_s=0.2)
   assert summary.samples == len(sample_times) >= 1
   assert min(sample_times) - first_call[0] >= 0.2
-  assert us < 0.05 * 1e6  # per call over the sampled stretch, not the settling one
 
 
 def test_energy_is_power_over_a_calls_wall_time():
