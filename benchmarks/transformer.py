@@ -63,6 +63,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import exchange_free
 from benchmarks import harness
 from benchmarks import power
 from benchmarks import runner  # pylint: disable=unused-import (its --iterations, --out_dir)
@@ -116,7 +117,9 @@ _VARIANTS = flags.DEFINE_list(
     " fused_replicated_pallas_xla_columns (fused_replicated_pallas with XLA's column-parallel"
     " matmuls instead of `decode_matmul`'s kernel),"
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
-    " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`);"
+    " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`),"
+    " exchange_free (bsp with its collective matmuls as local GEMMs of the same shapes, no"
+    " communication, wrong results: the ceiling of any overlap, `benchmarks.exchange_free`);"
     " the table compares fused with bsp, and fused_positions with bsp_positions.")
 _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"
@@ -215,8 +218,9 @@ class Variant:
   unfused_matmul_sums`), whether its column-parallel matmuls stay XLA's
   (`decode_matmul.xla_only`), how the KV cache is sharded
   (`transformer.KVCache.shards`), XLA compile options ((name, value)
-  pairs), and the reduce-scatter kernel's design where its default drips
-  (`matmul_reduce_scatter.kernel_design`; None: the default's)."""
+  pairs), the reduce-scatter kernel's design where its default drips
+  (`matmul_reduce_scatter.kernel_design`; None: the default's), and whether
+  the collective matmuls run without their exchange (`exchange_free`)."""
   name: str
   impl: str
   decode_impl: str | None
@@ -228,6 +232,7 @@ class Variant:
   cache_shards: str = "heads"
   compiler_options: tuple[tuple[str, object], ...] = ()
   rs_design: str | None = None
+  no_exchange: bool = False
 
   @contextlib.contextmanager
   def tracing(self):
@@ -240,7 +245,8 @@ class Variant:
     with dispatch.meet_inside_kernels(self.entry), dispatch.kernels_wherever_they_run(
         self.kernels), decode_collectives.unfused_matmul_sums(self.unfused_sums), (
             decode_matmul.xla_only(self.xla_columns)), rs_op.kernel_design(self.rs_design), (
-            platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()):
+            platform.compiled_without_slice_fusion() if no_fusion else contextlib.nullcontext()), (
+            exchange_free.patched() if self.no_exchange else contextlib.nullcontext()):
       yield
 
 
@@ -267,8 +273,11 @@ def variants() -> tuple[Variant, ...]:
   epilogue and the Lamport all-gather; `decode_matmul`'s kernel for the
   column-parallel matmuls where it runs; fused_replicated_pallas_xla_columns:
   XLA's there), fused_replicated_pallas_unfused (the same with XLA's
-  matmuls, then the Lamport all-reduce), and fused / bsp without XLA's
-  dynamic-slice fusion."""
+  matmuls, then the Lamport all-reduce), fused / bsp without XLA's
+  dynamic-slice fusion, and exchange_free (bsp with its all-gather and
+  reduce-scatter matmuls as local GEMMs of the same per-device shapes and no
+  communication: wrong results, timed as the step that no overlap of these
+  collectives can beat, `benchmarks.exchange_free`)."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   by_positions = dict(cache_shards="positions")
   pallas = dict(decode_activations="replicated", compiler_options=_NO_SLICE_FUSION, **by_positions)
@@ -287,7 +296,9 @@ def variants() -> tuple[Variant, ...]:
       Variant("fused_replicated_pallas_xla_columns", "pallas", None, xla_columns=True, **pallas),
       Variant("fused_no_slice_fusion", "auto", None, compiler_options=_NO_SLICE_FUSION),
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, decode_activations="replicated",
-              compiler_options=_NO_SLICE_FUSION))}
+              compiler_options=_NO_SLICE_FUSION),
+      Variant("exchange_free", "xla_bsp", decode, decode_activations="replicated",
+              no_exchange=True))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
   if unknown:
     raise app.UsageError(f"--model_variants: unknown {unknown}; known: {sorted(known)}.")

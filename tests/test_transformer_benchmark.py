@@ -2,17 +2,21 @@
 record per step and variant, and benchmarks.model_table turns the JSON into
 the README's table."""
 
+import functools
 import json
 
 from absl import app
 from absl import flags
 import jax
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import testkit
 from benchmarks import model_table
 from benchmarks import power
 from benchmarks import transformer as bench
+from jax_overlap import transformer
 from pallas_kernels import platform
 
 
@@ -21,7 +25,8 @@ def quick_run(tmp_path):
   with testkit.parsed_flags(flags.FLAGS, ["bench", "--quick", "--axis_sizes=2", "--model_layers=1",
                                           "--iterations=1", "--timeline_calls=1",
                                           "--power_seconds=0.01",
-                                          "--model_variants=fused,bsp,bsp_no_slice_fusion",
+                                          "--model_variants=fused,bsp,bsp_no_slice_fusion,"
+                                          "exchange_free",
                                           f"--out_dir={tmp_path}"]):
     bench.main(None)
   return json.loads((tmp_path / "cpux8_transformer.json").read_text())
@@ -32,7 +37,7 @@ def test_a_quick_run_records_every_step_and_variant(quick_run):
   assert sorted(records) == sorted(
       f"tiny/D2/{step}/{shape}/{variant}" for step, shape in
       (("train", "b2_s64"), ("prefill", "b2_s64"), ("decode", "b8_s1024"))
-      for variant in ("fused", "bsp", "bsp_no_slice_fusion"))
+      for variant in ("fused", "bsp", "bsp_no_slice_fusion", "exchange_free"))
   for r in records.values():
     assert r["status"] == "ok", r
     assert r["dispatch_ms"] > 0 and r["cupti_ms"] is None  # no CUPTI on CPU
@@ -205,6 +210,28 @@ def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatc
     with v.tracing():
       assert platform.dynamic_slice_fusion_off()
   assert not platform.dynamic_slice_fusion_off()
+
+
+def test_the_exchange_free_variant_traces_its_matmuls_without_collectives():
+  """exchange_free's prefill program has no all-gather or reduce-scatter (its
+  collective matmuls are local GEMMs; benchmarks.exchange_free), bsp's has both."""
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=bsp,exchange_free"]):
+    bsp, free = bench.variants()
+  config = transformer.MODELS["tiny"]
+  mesh = testkit.mesh_1d(2)
+  params = jax.tree.map(lambda a, s: testkit.put(mesh, np.asarray(a), s),
+                        transformer.init_params(jax.random.key(0), config, 1),
+                        transformer.param_specs(testkit.AXIS))
+  tokens = testkit.put(mesh, np.zeros((2, 64), np.int32), P())
+  hlo = {}
+  for v in (bsp, free):
+    fn = jax.jit(functools.partial(transformer.prefill, cache_len=64, config=config,
+                                   axis_name=testkit.AXIS, impl=v.impl))
+    with jax.set_mesh(mesh), v.tracing():
+      hlo[v.name] = fn.lower(params, tokens).as_text()
+  for op in ("all_gather", "reduce_scatter"):
+    assert op in hlo["bsp"], op
+    assert op not in hlo["exchange_free"], op
 
 
 class _FakeNvml:
