@@ -50,11 +50,14 @@ def markdown(payloads: list[dict]) -> str:
                " rows \"by positions\" a cache sharded by positions (BSP's decode: the batch"
                " sharded, the fast local kernel, all-gather and merge). A decode row names the"
                " fused step's activations where its record has them (`transformer.decode_plan`:"
-               " replicated over the Lamport exchange kernels, or sharded).")
+               " replicated over the Lamport exchange kernels, or sharded). Ceiling: BSP time / the"
+               " time of the BSP model with its collective matmuls' exchange left out (local GEMMs"
+               " of the same shapes, wrong results: `benchmarks.exchange_free`), where measured"
+               " in the same run: the speedup that no overlap of those collectives can pass.")
     out.append("")
     out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch / span |"
-               " measured (UTC) |")
-    out.append("|---|---|---|---|---|---|---|---|")
+               " ceiling CUPTI / dispatch | measured (UTC) |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     measured = {}  # a row's latest record, to the minute: older rows stand out
     activations = {}  # a decode row's fused activations, where recorded
     pairs = {fused: cache for fused, _, cache in transformer.PAIRS}
@@ -80,17 +83,20 @@ def markdown(payloads: list[dict]) -> str:
       cell = lambda key: " / ".join(_fmt(r[key.format(figure)]) for figure in FIGURES)
       if r["status"].startswith("apart"):
         out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {cell('fused_{}_ms')} |"
-                   f" {cell('bsp_{}_ms')} | none: not one run, {r['status']} |"
+                   f" {cell('bsp_{}_ms')} | none: not one run, {r['status']} | - |"
                    f" {measured[row] or '?'} |")
         continue
       if r["status"] != "ok/ok":
         reasons = {x["reason"].split(" | ")[0][:90] for x in records
                    if x["key"].rsplit("/", 1)[0] == base and x["status"] != "ok"}
         out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {r['status']} |"
-                   f" {'; '.join(sorted(reasons))} | - | {measured[row] or '?'} |")
+                   f" {'; '.join(sorted(reasons))} | - | - | {measured[row] or '?'} |")
         continue
+      ceiling = (" / ".join(_fmt(r[f"ceiling_{figure}"]) for figure in FIGURES[:2])
+                 if r["ceiling_dispatch"] or r["ceiling_cupti"] else "-")
       out.append(f"| {r['model']} | {r['d']} | {step} | {shape} | {cell('fused_{}_ms')} |"
-                 f" {cell('bsp_{}_ms')} | {cell('speedup_{}')} | {measured[row] or '?'} |")
+                 f" {cell('bsp_{}_ms')} | {cell('speedup_{}')} | {ceiling} |"
+                 f" {measured[row] or '?'} |")
     out.append("")
   return "\n".join(out).rstrip()
 

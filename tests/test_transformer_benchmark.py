@@ -193,6 +193,30 @@ def test_a_pair_measured_in_two_runs_gets_no_ratio():
           " none: not one run, apart (520 min) |") in section, section
 
 
+def test_the_exchange_free_run_beside_bsp_sets_the_ceiling():
+  """exchange_free's record, measured in bsp's run, gives the default pair's
+  row its ceiling (bsp / exchange_free) in the table; one from another run,
+  or a failed one, gives none."""
+  base = "70b/D4/prefill/b1_s8192"
+  rec = lambda variant, ms, when="2026-11-28T07:56:00+00:00", status="ok": {
+      "key": f"{base}/{variant}", "model": "70b", "d": 4, "step": "prefill",
+      "shape": "b1_s8192", "status": status, "cupti_ms": ms, "dispatch_ms": ms, "time_utc": when}
+  pair = [rec("fused", 50.2), rec("bsp", 56.7)]
+  (row,) = bench.speedups([*pair, rec("exchange_free", 49.5)])
+  assert row["ceiling_dispatch"] == pytest.approx(56.7 / 49.5)
+  assert row["speedup_dispatch"] == pytest.approx(56.7 / 50.2)
+  section = model_table.markdown([{"devices": 4, "device_kind": "H200", "tag": "h200x4",
+                                   "jax_version": "0.11.2", "layers": 8,
+                                   "records": [*pair, rec("exchange_free", 49.5)]}])
+  assert "| 1.13 / 1.13 / - | 1.15 / 1.15 |" in section, section
+  for other in (rec("exchange_free", 49.5, when="2026-11-27T07:56:00+00:00"),
+                rec("exchange_free", 49.5, status="failed")):
+    (row,) = bench.speedups([*pair, other])
+    assert row["ceiling_dispatch"] is None and row["ceiling_cupti"] is None
+  (row,) = bench.speedups(pair)
+  assert row["ceiling_dispatch"] is None
+
+
 def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatch):
   """fused_replicated_pallas compiles its programs with XLA's dynamic-slice
   fusion off and traces them under that promise (the Lamport kernels' check
