@@ -16,6 +16,12 @@ only its own rows. `benchmarks.transformer --model_variants=exchange_free`
 times the model so, with the BSP model's GEMMs (XLA's), attention and
 elementwise work: the step that any overlap of these collectives could at best
 reach on the machine, the ceiling that a speedup target over BSP is set against.
+
+The stand-in does work of its own: XLA writes the tiled rows with copy kernels
+(session 53, 4 H200s, 70B-like prefill of 1 x 8192: ~3.6 ms of its 49.5 ms at
+D = 4 in copies and the fusions around them, ~4.6 ms at D = 2). A receiver of an
+all-gather writes those rows too, so the ceiling lies between BSP / its time
+and BSP / (its time less those kernels) (benchmarks/NOTES.md, session 53).
 """
 
 import contextlib
