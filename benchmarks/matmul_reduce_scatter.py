@@ -21,6 +21,9 @@ Cases:
             pallas_entry, pallas_barrier (opt-in): the default config with
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);
+            pallas_cta<M>x<N>[m] (opt-in): the default design on the CTA
+            tiles of `CTA_TILES` (e.g. smaller ones, whose peer tiles end a
+            wave before the own ones at ~2 waves of the default's);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -45,6 +48,7 @@ from benchmarks import harness
 from benchmarks import runner
 from benchmarks import shapes
 from benchmarks import spmd
+from pallas_kernels import gemm_core
 from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
 
@@ -141,6 +145,30 @@ def _default_config(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context)
                                   axis_size=ctx.mesh.size, num_sms=platform.num_sms())
 
 
+# Other CTA tiles for the default design (opt-in cases pallas_<name>): the
+# warpgroups side by side along N, or stacked along M ("m"). At 2048 x 4096 x
+# 4096 and D = 4 the default's 128 x 256 tiles make 1.9 waves, and the
+# second wave's 60 peer tiles (3.9 MB) leave at the very end; 128 x 128 tiles
+# make 3.9 waves, the peer tiles ending a wave before the own ones.
+CTA_TILES = {
+    "cta128x256": gemm_core.GemmTiles(tile_m=128, tile_n=128, wg_split="n"),
+    "cta128x128m": gemm_core.GemmTiles(tile_m=64, tile_n=128, stages=5, wg_split="m"),
+    "cta128x128": gemm_core.GemmTiles(tile_m=128, tile_n=64, stages=5, wg_split="n"),
+    "cta64x256": gemm_core.GemmTiles(tile_m=64, tile_n=128, stages=5, wg_split="n"),
+    "cta256x128m": gemm_core.GemmTiles(tile_m=128, tile_n=128, wg_split="m"),
+}
+
+
+def _pallas_tiles(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
+                  tiles: gemm_core.GemmTiles) -> runner.Built:
+  """`default_config`'s design on `tiles` (opt-in)."""
+  cases.require_hopper("our kernel")
+  config = rs_kernel.default_config(shape.m // ctx.mesh.size, shape.k_shard, shape.n, DTYPE,
+                                    axis_size=ctx.mesh.size, num_sms=platform.num_sms(),
+                                    tiles=tiles)
+  return _pallas(ctx.mesh, _explain(shape, ctx.mesh), (ctx.inputs.x, ctx.inputs.w), config)
+
+
 def _pallas_handshake(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context,
                       entry: bool) -> runner.Built:
   """`default_config` with `entry` set as given (opt-in: the two ways the
@@ -181,6 +209,9 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       *(runner.Case(name, "ours", functools.partial(_pallas_handshake, shape, ctx, entry),
                     opt_in=True)
         for name, entry in (("pallas_entry", True), ("pallas_barrier", False))),
+      *(runner.Case(f"pallas_{name}", "ours", functools.partial(_pallas_tiles, shape, ctx, tiles),
+                    opt_in=True)
+        for name, tiles in CTA_TILES.items()),
       *(cases.ours(impl, explain, ours) for impl in ("xla_bsp", "xla_ring")),
       runner.Case("user_bsp", "baseline", user_bsp),
       cases.windowed_einsum(jnp.dot, mesh, (X_SPEC, W_SPEC), OUT_SPEC, args),
@@ -209,7 +240,8 @@ OP = runner.OpSpec(
     # Ours, the main baseline, the GEMM floor and the exchange alone.
     contenders=("pallas", *(f"pallas_{v}" for v in rs_kernel.VARIANTS), "pallas_whole_rows",
                 *(f"pallas_whole_rows_{name}" for name in WHOLE_ROWS_CHANGES), "pallas_entry",
-                "pallas_barrier", "user_bsp", "gemm_alone",
+                "pallas_barrier", *(f"pallas_{name}" for name in CTA_TILES), "user_bsp",
+                "gemm_alone",
                 "reduce_scatter_alone"),
 )
 

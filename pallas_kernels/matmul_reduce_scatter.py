@@ -226,14 +226,16 @@ class MatmulReduceScatterConfig:
     return -(-rows // self.tiles.cta_m) * self.tiles.cta_m
 
 
-def base_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
-                num_sms: int) -> MatmulReduceScatterConfig:
+def base_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int, num_sms: int,
+                tiles: gemm_core.GemmTiles | None = None) -> MatmulReduceScatterConfig:
   """The tiles for `rows` = M / D rows per device, no design choice (the
-  default config if no tiles fit): `gemm_core.choose_tiles` over the D steps,
-  with the rows padded to a multiple of 64, and strips of row chunks past two
-  waves. `VARIANTS` and `default_config` start from it."""
+  default config if no tiles fit): `tiles` if given, else
+  `gemm_core.choose_tiles` over the D steps, with the rows padded to a
+  multiple of 64, and strips of row chunks past two waves. `VARIANTS` and
+  `default_config` start from it."""
   padded = -(-rows // _ROW_QUANTUM) * _ROW_QUANTUM
-  tiles = gemm_core.choose_tiles(padded, k_shard, n, dtype, steps=axis_size, num_sms=num_sms)
+  tiles = tiles or gemm_core.choose_tiles(padded, k_shard, n, dtype, steps=axis_size,
+                                          num_sms=num_sms)
   if tiles is None:
     return MatmulReduceScatterConfig()
   strip = gemm_core.default_strip(padded // tiles.cta_m) if _waves(
@@ -247,9 +249,11 @@ def _waves(padded_rows: int, n: int, tiles: gemm_core.GemmTiles, axis_size: int,
   return axis_size * (padded_rows // tiles.cta_m) * (n // tiles.cta_n) / num_sms
 
 
-def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
-                   num_sms: int) -> MatmulReduceScatterConfig:
-  """The measured-best design on `base_config`'s tiles.
+def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int, num_sms: int,
+                   tiles: gemm_core.GemmTiles | None = None) -> MatmulReduceScatterConfig:
+  """The measured-best design on `base_config`'s tiles (`tiles`, if given,
+  in place of its choice and of whole_rows: e.g. to time the design on other
+  tiles).
 
   Past one wave, `drip` (peer tiles sent a granule at a time during the next
   K loop), with `add_all` at D >= 3; in one wave, `base_config`. Side by side
@@ -295,21 +299,23 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
   needs add_all) was slower than drip at K_shard 2048 (227.5 against 210.3 µs
   at 8192 x 2048 x 4096, 2 H200s).
   """
-  config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
+  config = _default_design(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms,
+                           tiles=tiles)
   if axis_size in _ENTRY_DEFAULT_AXIS_SIZES and not config.interleave:
     return dataclasses.replace(config, entry=True)
   return config
 
 
-def _default_design(rows: int, k_shard: int, n: int, dtype, *, axis_size: int,
-                    num_sms: int) -> MatmulReduceScatterConfig:
+def _default_design(rows: int, k_shard: int, n: int, dtype, *, axis_size: int, num_sms: int,
+                    tiles: gemm_core.GemmTiles | None) -> MatmulReduceScatterConfig:
   """`default_config`'s tiles and design, before `entry`."""
   whole = whole_rows_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
-  if (whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
+  if (tiles is None and whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
       and k_shard >= _WHOLE_MIN_K_SHARD
       and unsupported_reason(rows, k_shard, n, dtype, whole, axis_size=axis_size) is None):
     return whole
-  config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
+  config = base_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms,
+                       tiles=tiles)
   padded = config.padded_rows(rows)
   if config.tiles.unsupported_reason(padded, k_shard, n, jnp.dtype(dtype).itemsize) is not None:
     return config

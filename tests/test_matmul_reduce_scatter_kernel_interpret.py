@@ -195,6 +195,25 @@ def test_default_config_takes_the_measured_design(d, m, k_shard, design, entry):
   assert rs.experimental_reason(config, axis_size=d) is None
 
 
+@pytest.mark.parametrize("d,m,k_shard", [(4, 2048, 4096), (4, 8192, 2048), (2, 2048, 4096),
+                                         (4, 64, 4096)])
+def test_default_config_on_given_tiles_keeps_the_design(d, m, k_shard):
+  """`tiles` replaces base_config's choice (and whole_rows, at decode-size
+  rows) under the default's design, strips counted for their waves."""
+  rows, n = m // d, 4096
+  tiles = gemm_core.GemmTiles(tile_m=64, tile_n=128, stages=5, wg_split="m")
+  given = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132, tiles=tiles)
+  base = rs.base_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132, tiles=tiles)
+  assert (given.tiles.cta_m, given.tiles.cta_n) == (128, 128) and not given.whole_rows
+  default = rs.default_config(rows, k_shard, n, BF16, axis_size=d, num_sms=132)
+  if not default.whole_rows:
+    design = {f: getattr(default, f) for f in ("drip", "add_all", "interleave", "entry")}
+    assert {f: getattr(given, f) for f in design} == design
+  assert given.tiles.stages == (4 if given.drip else 5)  # drip takes a stage for its slots
+  assert given.strip_chunks == base.strip_chunks
+  assert rs.unsupported_reason(rows, k_shard, n, BF16, given, axis_size=d) is None
+
+
 @pytest.mark.parametrize("d", [2, 4, 8])
 def test_default_whole_rows_config_meets_inside_the_kernel_at_d2_and_d4(d):
   """whole_rows too takes `entry` at D = 2 (RS v14) and 4 (RS v16): the
