@@ -22,6 +22,14 @@ The stand-in does work of its own: XLA writes the tiled rows with copy kernels
 D = 4 in copies and the fusions around them, ~4.6 ms at D = 2). A receiver of an
 all-gather writes those rows too, so the ceiling lies between BSP / its time
 and BSP / (its time less those kernels) (benchmarks/NOTES.md, session 53).
+
+Inside `patched()` the fused kernels lose their exchange too, for impl="auto"
+(`--model_variants=fused_core`): the all-gather matmul kernel reads this
+device's rows in place of every device's (`Pregathered.repeat`: no copy of x;
+the gathered x that a differentiated call keeps is tiled, as the fused kernel
+writes those rows too), and the reduce-scatter kernel computes its partials
+`Standalone`, the first M / D rows returned. Timed beside `fused`, that
+splits the fused model's time into its GEMM core's and its exchange's.
 """
 
 import contextlib
@@ -33,6 +41,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import all_gather_matmul as ag_kernel
+from pallas_kernels import matmul_reduce_scatter as rs_kernel
+from pallas_kernels import platform
 from pallas_kernels import vma
 
 # The op modules (the package exports functions of the same names).
@@ -113,10 +124,35 @@ def matmul_reduce_scatter(x, w, axis_name, reduce_in_float32=False, w_transposed
   return _scatter_free(x, w, axis_name, w_transposed)
 
 
+def _kernel_all_gather_matmul(x, w, axis_name, config, return_gathered: bool,
+                              w_transposed: bool):
+  """`ag_op._run_kernel`'s stand-in: (out, gathered or None) with no exchange;
+  whole_rows configs (decode-size rows, every device's rows in one tile) take
+  the XLA stand-in."""
+  if config.whole_rows:
+    out = _gather_free(x, w, axis_name, w_transposed)
+  else:
+    out, _ = ag_kernel.all_gather_matmul(
+        x, w, config=config, num_sms=platform.num_sms(), w_transposed=w_transposed,
+        pregathered=ag_kernel.Pregathered(x, 0, lax.axis_size(axis_name), repeat=True))
+  return out, (_tiled(x, axis_name) if return_gathered else None)
+
+
+def _kernel_matmul_reduce_scatter(x, w, axis_name, config, w_transposed: bool):
+  """`rs_op._run_kernel`'s stand-in: this device's partials, no exchange."""
+  partials = rs_kernel.matmul_reduce_scatter(
+      x, w, config=config, num_sms=platform.num_sms(), w_transposed=w_transposed,
+      standalone=rs_kernel.Standalone(0, lax.axis_size(axis_name)))
+  return partials[0]
+
+
 @contextlib.contextmanager
 def patched():
   """Inside the block (trace time), impl="xla_bsp" of both collective matmuls
-  runs the exchange-free GEMMs above."""
+  runs the exchange-free GEMMs above, and their fused kernels run without
+  their exchange."""
   with mock.patch.dict(ag_op._XLA, {"xla_bsp": all_gather_matmul}), mock.patch.dict(
-      rs_op._XLA, {"xla_bsp": matmul_reduce_scatter}):
+      rs_op._XLA, {"xla_bsp": matmul_reduce_scatter}), mock.patch.object(
+          ag_op, "_run_kernel", _kernel_all_gather_matmul), mock.patch.object(
+              rs_op, "_run_kernel", _kernel_matmul_reduce_scatter):
     yield

@@ -119,7 +119,8 @@ _VARIANTS = flags.DEFINE_list(
     " fused_no_slice_fusion and bsp_no_slice_fusion (compiled with XLA's dynamic-slice fusion off,"
     " as multi-process jobs need for the kernels in loops: `pallas_kernels.platform.LOOP_FLAG`),"
     " exchange_free (bsp with its collective matmuls as local GEMMs of the same shapes, no"
-    " communication, wrong results: the ceiling of any overlap, `benchmarks.exchange_free`);"
+    " communication, wrong results: the ceiling of any overlap, `benchmarks.exchange_free`),"
+    " fused_core (fused with its kernels' exchange left out likewise: our GEMM core's share);"
     " the table compares fused with bsp, and fused_positions with bsp_positions.")
 _ONE_PROCESS = flags.DEFINE_bool(
     "one_process", False, "Run every axis size in this process. By default several axis sizes"
@@ -274,10 +275,11 @@ def variants() -> tuple[Variant, ...]:
   column-parallel matmuls where it runs; fused_replicated_pallas_xla_columns:
   XLA's there), fused_replicated_pallas_unfused (the same with XLA's
   matmuls, then the Lamport all-reduce), fused / bsp without XLA's
-  dynamic-slice fusion, and exchange_free (bsp with its all-gather and
+  dynamic-slice fusion, exchange_free (bsp with its all-gather and
   reduce-scatter matmuls as local GEMMs of the same per-device shapes and no
   communication: wrong results, timed as the step that no overlap of these
-  collectives can beat, `benchmarks.exchange_free`)."""
+  collectives can beat, `benchmarks.exchange_free`) and fused_core (fused with
+  its kernels' exchange left out as well: the time of our GEMM core)."""
   decode = _DECODE_BSP_IMPL.value or ("pallas_bsp" if harness.cupti_available() else "xla_bsp")
   by_positions = dict(cache_shards="positions")
   pallas = dict(decode_activations="replicated", compiler_options=_NO_SLICE_FUSION, **by_positions)
@@ -298,7 +300,8 @@ def variants() -> tuple[Variant, ...]:
       Variant("bsp_no_slice_fusion", "xla_bsp", decode, decode_activations="replicated",
               compiler_options=_NO_SLICE_FUSION),
       Variant("exchange_free", "xla_bsp", decode, decode_activations="replicated",
-              no_exchange=True))}
+              no_exchange=True),
+      Variant("fused_core", "auto", None, no_exchange=True))}
   unknown = sorted(set(_VARIANTS.value) - set(known))
   if unknown:
     raise app.UsageError(f"--model_variants: unknown {unknown}; known: {sorted(known)}.")
@@ -509,7 +512,7 @@ def _build(case: Case, config, holder: dict, mesh, iterations: int) -> dict:
   v, d, params = case.variant, case.d, holder["params"]
   if v.no_exchange and case.step == "decode":
     raise Skip("the decode step over replicated activations runs no all-gather or reduce-scatter"
-               " matmul: exchange_free would time bsp's step")
+               f" matmul: {v.name} would time the step with its exchange")
   common = dict(config=config, axis_name=AXIS, mesh=mesh, impl=v.impl)
   b, s = case.batch, case.seq
   tokens_spec = NamedSharding(mesh, P())

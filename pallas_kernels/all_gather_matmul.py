@@ -390,10 +390,14 @@ def _with_padded_rows(x, w, m_pad: int, *, pregathered, return_gathered: bool, *
 class Pregathered:
   """Stands in for the exchange: `gathered` [size * M_shard, K] already holds
   every device's rows, and the kernel computes the output of device `index`
-  of `size`. Runs on one device, with no remote refs or semaphores."""
+  of `size`. Runs on one device, with no remote refs or semaphores. With
+  `repeat`, `gathered` is [M_shard, K], read in place of every device's rows:
+  the GEMM of the op's shape with neither an exchange nor a copy of x (a
+  timing stand-in, `benchmarks.exchange_free`; not with whole_rows)."""
   gathered: jax.Array
   index: int
   size: int
+  repeat: bool = False
 
 
 def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
@@ -433,6 +437,10 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
                              w_transposed=w_transposed, pregathered=pregathered,
                              interpret=interpret)
   whole = config.whole_rows
+  if whole and pregathered is not None and pregathered.repeat:
+    raise ValueError("Pregathered.repeat reads one device's rows for every device's, which"
+                     " whole_rows tiles (every device's rows in one tile) cannot: use a config"
+                     " without whole_rows.")
   # Rows of one device's block in the receive buffer: whole_rows tiles span
   # D blocks of cta_m / D rows, each device's rows at a block's start.
   block_rows = tiles.cta_m // d if whole else m_shard
@@ -627,8 +635,9 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
             pl.when(forwarded(k_idx))(lambda k_idx=k_idx: signal_group(k_idx))
 
       if not exchange:
+        rows = pl.ds(chunk * tiles.cta_m, tiles.cta_m) if pregathered.repeat else dst_rows
         with jax.named_scope("tile"):
-          core(scratch, gathered_ref.at[dst_rows], b_cols, out_tile, **order)
+          core(scratch, gathered_ref.at[rows], b_cols, out_tile, **order)
         return
 
       def pace(k_idx):
@@ -774,7 +783,8 @@ def all_gather_matmul(x, w, *, axis_name=None, config: AllGatherMatmulConfig,
       return vma.mark_varying(out, axes), None
     gathered = gemm_core.unpad_row_blocks(gathered, d, m_shard, block_rows)
     return vma.mark_varying((out, gathered), axes)
-  blocks = gemm_core.pad_row_blocks(pregathered.gathered, d, m_shard, block_rows)
+  blocks = (pregathered.gathered if pregathered.repeat else
+            gemm_core.pad_row_blocks(pregathered.gathered, d, m_shard, block_rows))
   out = gemm_core.launch(body, name=KERNEL_NAME, out_type=out_struct, num_sms=grid,
                          interpret=interpret)(x, w, blocks)
   axes = vma.varying_axes(x, w, pregathered.gathered)

@@ -147,6 +147,30 @@ def test_transposed_w_matches_float64_reference(case, interpreter):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", [CASES[3], CASES[9]], ids=_case_id)
+def test_repeat_reads_one_devices_rows_for_every_device(case, interpreter):
+  """`Pregathered(x, ..., repeat=True)`: x [M_shard, K] stands in for every
+  device's rows, no copy: the output is tile(x) @ w, block by block."""
+  d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = case
+  gathered, w = _inputs(d, m_shard, k, dtype, "repeat", index)
+  x = gathered[:m_shard]
+  out, rows = agm.all_gather_matmul(
+      jnp.asarray(x), jnp.asarray(w), config=_config(tile_n, wg_split), num_sms=num_sms,
+      pregathered=agm.Pregathered(jnp.asarray(x), index, d, repeat=True),
+      interpret=interpreter())
+  assert out.shape == (d * m_shard, N) and rows.shape == (m_shard, k)
+  testkit.assert_matmul_close(out, np.tile(x, (d, 1)), w, dtype)
+
+
+def test_repeat_refuses_whole_rows():
+  config = agm.AllGatherMatmulConfig(gemm_core.GemmTiles(tile_m=64, tile_n=128), whole_rows=True)
+  x = jnp.zeros((16, 256), BF16)
+  with pytest.raises(ValueError, match="whole_rows"):
+    agm.all_gather_matmul(x, jnp.zeros((256, 256), BF16), config=config, num_sms=132,
+                          pregathered=agm.Pregathered(x, 0, 4, repeat=True))
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("k,num_sms", [(192, 2), (256, 2), (256, 11)],
                          ids=["per_tile_ring", "ring_across_tiles", "single_tile_blocks"])
 def test_no_data_races_in_the_pipeline(k, num_sms, interpreter):

@@ -238,11 +238,13 @@ def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatc
   assert not platform.dynamic_slice_fusion_off()
 
 
-def test_the_exchange_free_variant_traces_its_matmuls_without_collectives():
-  """exchange_free's prefill program has no all-gather or reduce-scatter (its
-  collective matmuls are local GEMMs; benchmarks.exchange_free), bsp's has both."""
-  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=bsp,exchange_free"]):
-    bsp, free = bench.variants()
+def test_the_exchange_free_variants_trace_their_matmuls_without_collectives():
+  """exchange_free's and fused_core's prefill programs have no all-gather or
+  reduce-scatter (their collective matmuls are local GEMMs here, the kernels
+  having no Hopper GPU; benchmarks.exchange_free), bsp's has both."""
+  with testkit.parsed_flags(flags.FLAGS, ["bench", "--model_variants=bsp,exchange_free,"
+                                          "fused_core"]):
+    bsp, *free = bench.variants()
   config = transformer.MODELS["tiny"]
   mesh = testkit.mesh_1d(2)
   params = jax.tree.map(lambda a, s: testkit.put(mesh, np.asarray(a), s),
@@ -250,14 +252,14 @@ def test_the_exchange_free_variant_traces_its_matmuls_without_collectives():
                         transformer.param_specs(testkit.AXIS))
   tokens = testkit.put(mesh, np.zeros((2, 64), np.int32), P())
   hlo = {}
-  for v in (bsp, free):
+  for v in (bsp, *free):
     fn = jax.jit(functools.partial(transformer.prefill, cache_len=64, config=config,
                                    axis_name=testkit.AXIS, impl=v.impl))
     with jax.set_mesh(mesh), v.tracing():
       hlo[v.name] = fn.lower(params, tokens).as_text()
   for op in ("all_gather", "reduce_scatter"):
     assert op in hlo["bsp"], op
-    assert op not in hlo["exchange_free"], op
+    assert op not in hlo["exchange_free"] and op not in hlo["fused_core"], op
 
 
 class _FakeNvml:
