@@ -154,7 +154,7 @@ CTA_TILES = {
     "cta128x256": gemm_core.GemmTiles(tile_m=128, tile_n=128, wg_split="n"),
     "cta128x128m": gemm_core.GemmTiles(tile_m=64, tile_n=128, stages=5, wg_split="m"),
     "cta128x128": gemm_core.GemmTiles(tile_m=128, tile_n=64, stages=5, wg_split="n"),
-    "cta64x256": gemm_core.GemmTiles(tile_m=64, tile_n=128, stages=5, wg_split="n"),
+    "cta64x256": gemm_core.GemmTiles(tile_m=64, tile_n=128, wg_split="n"),
     "cta256x128m": gemm_core.GemmTiles(tile_m=128, tile_n=128, wg_split="m"),
 }
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import testkit
+from benchmarks import matmul_reduce_scatter as rs_bench
 from benchmarks import shapes
 from pallas_kernels import gemm_core
 from pallas_kernels import matmul_reduce_scatter as rs
@@ -212,6 +213,20 @@ def test_default_config_on_given_tiles_keeps_the_design(d, m, k_shard):
   assert given.tiles.stages == (4 if given.drip else 5)  # drip takes a stage for its slots
   assert given.strip_chunks == base.strip_chunks
   assert rs.unsupported_reason(rows, k_shard, n, BF16, given, axis_size=d) is None
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("m,k_shard,n", [(2048, 4096, 4096), (8192, 4096, 7168)])
+def test_the_benchmarks_cta_tiles_run_the_default_design(d, m, k_shard, n):
+  """Each of `benchmarks.matmul_reduce_scatter.CTA_TILES` at the two large
+  benchmark shapes: a supported config with the default's design (a tile
+  set whose base does not fit would fall back to no design)."""
+  default = rs.default_config(m // d, k_shard, n, BF16, axis_size=d, num_sms=132)
+  for tiles in rs_bench.CTA_TILES.values():
+    config = rs.default_config(m // d, k_shard, n, BF16, axis_size=d, num_sms=132, tiles=tiles)
+    assert rs.unsupported_reason(m // d, k_shard, n, BF16, config, axis_size=d) is None
+    assert (config.drip, config.add_all, config.entry) == (default.drip, default.add_all,
+                                                           default.entry)
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])
