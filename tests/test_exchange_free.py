@@ -110,6 +110,22 @@ def test_w_transposed_reads_w_as_n_by_k(op):
   np.testing.assert_allclose(out, plain, rtol=1e-5)
 
 
+def _cuda_modules(make_fn, mesh, specs, out_specs, shapes, monkeypatch):
+  """(real, free): the MLIR of make_fn() under shard_map exported for CUDA, as
+  on Hopper, and the same inside `patched()`. A fresh function per export: a
+  jitted one would reuse its first trace."""
+  sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=jax.NamedSharding(mesh, spec))
+         for s, spec in zip(shapes, specs)]
+  lowered = lambda: jax.export.export(jax.jit(jax.shard_map(
+      make_fn(), mesh=mesh, in_specs=specs, out_specs=out_specs)),
+      platforms=["cuda"])(*sds).mlir_module()
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  real = lowered()
+  with exchange_free.patched():
+    return real, lowered()
+
+
 @pytest.mark.parametrize("op,d,shape", [
     ("all_gather_matmul", 4, (2048, 8192, 2560)), ("all_gather_matmul", 2, (1024, 4096, 4096)),
     ("matmul_reduce_scatter", 4, (8192, 2048, 8192)),
@@ -118,25 +134,14 @@ def test_the_kernels_without_their_exchange_lower_for_cuda(op, d, shape, monkeyp
   """Inside `patched()`, impl="pallas" runs the kernels' exchange-free modes
   (`Pregathered.repeat`, `Standalone`): they lower for CUDA inside shard_map
   with no signal into a peer (the real kernels' exchange has them)."""
-  mesh = jax.make_mesh((d,), (AXIS,))
   m, k, n = shape
   fn = getattr(jax_overlap, op)
   if op == "all_gather_matmul":  # x [M_shard, K] rows, w [K, N_shard] columns
-    specs, shapes = (P(AXIS), P(None, AXIS)), ((d * m, k), (k, d * n))
+    specs, shapes, out_spec = (P(AXIS), P(None, AXIS)), ((d * m, k), (k, d * n)), P(None, AXIS)
   else:  # x [M, K_shard] columns, w [K_shard, N] rows
-    specs, shapes = (P(None, AXIS), P(AXIS)), ((m, d * k), (d * k, n))
-  out_spec = P(None, AXIS) if op == "all_gather_matmul" else P(AXIS)
-  sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=jax.NamedSharding(mesh, spec))
-         for s, spec in zip(shapes, specs)]
-  # A fresh function per export: a jitted one would reuse its first trace.
-  lowered = lambda: jax.export.export(jax.jit(jax.shard_map(
-      lambda x, w: fn(x, w, axis_name=AXIS, impl="pallas"), mesh=mesh, in_specs=specs,
-      out_specs=out_spec)), platforms=["cuda"])(*sds).mlir_module()
-  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)  # as on Hopper
-  monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  real = lowered()
-  with exchange_free.patched():
-    free = lowered()
+    specs, shapes, out_spec = (P(None, AXIS), P(AXIS)), ((m, d * k), (d * k, n)), P(AXIS)
+  real, free = _cuda_modules(lambda: lambda x, w: fn(x, w, axis_name=AXIS, impl="pallas"),
+                             jax.make_mesh((d,), (AXIS,)), specs, out_spec, shapes, monkeypatch)
   assert "red.release.sys" in real
   assert "red.release.sys" not in free and f"{op}_mosaic_gpu" in free
 
@@ -146,23 +151,14 @@ def test_a_differentiated_call_runs_without_any_exchange(monkeypatch):
   backward pass's dual op (through "auto", kernel or XLA path) lower for
   CUDA with no signal into a peer and no XLA collective."""
   d, (m, k, n) = 2, (1024, 4096, 4096)
-  mesh = jax.make_mesh((d,), (AXIS,))
-  specs = (P(AXIS), P(None, AXIS))
-  sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=jax.NamedSharding(mesh, spec))
-         for s, spec in zip(((d * m, k), (k, d * n)), specs)]
 
   def loss(x, w):
     out = jax_overlap.all_gather_matmul(x, w, axis_name=AXIS, impl="pallas")
     return jnp.sum(out.astype(jnp.float32))
 
-  lowered = lambda: jax.export.export(jax.jit(jax.shard_map(
-      jax.grad(loss, (0, 1)), mesh=mesh, in_specs=specs, out_specs=specs)),
-      platforms=["cuda"])(*sds).mlir_module()
-  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)  # as on Hopper
-  monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  real = lowered()
-  with exchange_free.patched():
-    free = lowered()
+  specs = (P(AXIS), P(None, AXIS))
+  real, free = _cuda_modules(lambda: jax.grad(loss, (0, 1)), jax.make_mesh((d,), (AXIS,)),
+                             specs, specs, ((d * m, k), (k, d * n)), monkeypatch)
   assert "red.release.sys" in real
   for marker in ("red.release.sys", "stablehlo.all_gather", "stablehlo.reduce_scatter",
                  "stablehlo.all_reduce"):
