@@ -53,7 +53,9 @@ def markdown(payloads: list[dict]) -> str:
                " replicated over the Lamport exchange kernels, or sharded). Ceiling: BSP time / the"
                " time of the BSP model with its collective matmuls' exchange left out (local GEMMs"
                " of the same shapes, wrong results: `benchmarks.exchange_free`), where measured"
-               " in the same run: the speedup that no overlap of those collectives can pass.")
+               " in the same run: what a step with that exchange free would gain, the bound of any"
+               " overlap of those collectives (a low estimate: the stand-in copies its gathered"
+               " rows with kernels of its own).")
     out.append("")
     out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch / span |"
                " ceiling CUPTI / dispatch | measured (UTC) |")

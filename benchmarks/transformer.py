@@ -749,8 +749,9 @@ def speedups(records: list[dict]) -> list[dict]:
   `cache`, the pair's cache layout (None: the default). Ratios only between
   records of one run (`SAME_RUN_MINUTES`); a pair measured apart has none,
   and its status says "apart". For the default pair, `ceiling_<figure>`: bsp
-  / `CEILING`'s time where that variant ran with bsp (the speedup no overlap
-  of the collective matmuls can pass), else None."""
+  / `CEILING`'s time where that variant ran with bsp (what the step gains
+  with the collective matmuls' exchange free: the bound of any overlap of
+  them, a low estimate of it), else None."""
   by_key = {r["key"]: r for r in records}
   rows, seen = [], set()
   for r in records:
