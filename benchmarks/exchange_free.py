@@ -41,6 +41,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jax_overlap import xla_paths
 from pallas_kernels import all_gather_matmul as ag_kernel
 from pallas_kernels import matmul_reduce_scatter as rs_kernel
 from pallas_kernels import platform
@@ -52,9 +53,9 @@ rs_op = importlib.import_module("jax_overlap.matmul_reduce_scatter")
 
 
 def _matmul(a, w, w_transposed: bool):
-  """a @ w (w as [N, K] if `w_transposed`), out in a's dtype."""
-  return lax.dot_general(a, w, (((1,), (1 if w_transposed else 0,)), ((), ())),
-                         preferred_element_type=a.dtype)
+  """a @ w (w as [N, K] if `w_transposed`), out in a's dtype, as the XLA paths
+  compute it."""
+  return xla_paths._matmul(a, w, w_transposed, a.dtype)  # pylint: disable=protected-access
 
 
 def _weight_grad(a, ct, w_transposed: bool):

@@ -309,8 +309,9 @@ def default_config(rows: int, k_shard: int, n: int, dtype, *, axis_size: int, nu
 def _default_design(rows: int, k_shard: int, n: int, dtype, *, axis_size: int, num_sms: int,
                     tiles: gemm_core.GemmTiles | None) -> MatmulReduceScatterConfig:
   """`default_config`'s tiles and design, before `entry`."""
-  whole = whole_rows_config(rows, k_shard, n, dtype, axis_size=axis_size, num_sms=num_sms)
-  if (tiles is None and whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
+  whole = None if tiles else whole_rows_config(rows, k_shard, n, dtype, axis_size=axis_size,
+                                               num_sms=num_sms)
+  if (whole is not None and whole.tiles.cta_m <= _WHOLE_DEFAULT_MAX_ROWS
       and k_shard >= _WHOLE_MIN_K_SHARD
       and unsupported_reason(rows, k_shard, n, dtype, whole, axis_size=axis_size) is None):
     return whole
