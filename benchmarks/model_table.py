@@ -51,11 +51,12 @@ def markdown(payloads: list[dict]) -> str:
                " sharded, the fast local kernel, all-gather and merge). A decode row names the"
                " fused step's activations where its record has them (`transformer.decode_plan`:"
                " replicated over the Lamport exchange kernels, or sharded). Ceiling: BSP time / the"
-               " time of the BSP model with its collective matmuls' exchange left out (local GEMMs"
-               " of the same shapes, wrong results: `benchmarks.exchange_free`), where measured"
-               " in the same run: what a step with that exchange free would gain, the bound of any"
-               " overlap of those collectives (a low estimate: the stand-in copies its gathered"
-               " rows with kernels of its own).")
+               " faster of two steps with the collective matmuls' exchange left out (wrong results,"
+               " `benchmarks.exchange_free`), where measured in the same run: the BSP model with"
+               " local cuBLAS GEMMs of the same shapes (its stand-in copies the gathered rows with"
+               " kernels of its own) and the fused model with its kernels' exchange removed"
+               " (`fused_core`): what a step with that exchange free gains, the bound of any"
+               " overlap of those collectives on this machine.")
     out.append("")
     out.append("| model | D | step | B x S | fused ms | BSP ms | speedup CUPTI / dispatch / span |"
                " ceiling CUPTI / dispatch | measured (UTC) |")

@@ -198,7 +198,8 @@ def test_a_pair_measured_in_two_runs_gets_no_ratio():
 def test_the_exchange_free_run_beside_bsp_sets_the_ceiling():
   """exchange_free's record, measured in bsp's run, gives the default pair's
   row its ceiling (bsp / exchange_free) in the table; one from another run,
-  or a failed one, gives none."""
+  or a failed one, gives none. With fused_core measured too, the faster of
+  the two, figure by figure."""
   base = "70b/D4/prefill/b1_s8192"
   rec = lambda variant, ms, when="2026-11-28T07:56:00+00:00", status="ok": {
       "key": f"{base}/{variant}", "model": "70b", "d": 4, "step": "prefill",
@@ -217,6 +218,13 @@ def test_the_exchange_free_run_beside_bsp_sets_the_ceiling():
     assert row["ceiling_dispatch"] is None and row["ceiling_cupti"] is None
   (row,) = bench.speedups(pair)
   assert row["ceiling_dispatch"] is None
+  core = {**rec("fused_core", 49.2), "cupti_ms": 51.2}
+  (row,) = bench.speedups([*pair, rec("exchange_free", 49.5), core])
+  assert row["ceiling_dispatch"] == pytest.approx(56.7 / 49.2)
+  assert row["ceiling_cupti"] == pytest.approx(56.7 / 49.5)
+  (row,) = bench.speedups([*pair, rec("exchange_free", 49.5, status="failed"), core])
+  assert row["ceiling_dispatch"] == pytest.approx(56.7 / 49.2)
+  assert row["ceiling_cupti"] == pytest.approx(56.7 / 51.2)
 
 
 def test_the_lamport_variants_compile_without_slice_fusion_and_say_so(monkeypatch):
