@@ -31,6 +31,10 @@ Cases:
             to its tile's rows (does TMA's zero fill past x cost time?).
             all_gather_alone: lax.all_gather of x, no matmul: T_comm of the
             overlap efficiency the report gives (FLUX's definition).
+            pallas_no_waits (opt-in, unchecked: wrong results): the kernel
+            of `fused_config` with every semaphore wait removed
+            (`cases.without_waits`), an energy probe for
+            `benchmarks.clock_probe`.
 """
 
 import dataclasses
@@ -211,6 +215,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
                   lambda: _pallas_core_padded(shape, mesh, inputs), opt_in=True),
       runner.Case("all_gather_alone", "floor", lambda: _all_gather_alone(mesh, inputs),
                   checked=False, floor=lambda f: harness.Floor(0, 0, f.nvlink_bytes)),
+      runner.Case("pallas_no_waits", "floor", lambda: cases.without_waits(
+          _pallas_changed(shape, mesh, inputs)), checked=False, opt_in=True),
   ]
 
 

@@ -3,8 +3,10 @@
 from collections.abc import Callable
 import dataclasses
 import os
+from unittest import mock
 
 import jax
+from jax.experimental import pallas as pl
 
 from benchmarks import harness
 from benchmarks import runner
@@ -51,6 +53,35 @@ def ours(impl: str, explain: Callable[[str], object], build: Callable[[str], run
     built = build(impl)
     return dataclasses.replace(built, info={**built.info, "explain": str(explain(impl))})
   return runner.Case(impl, "ours", make)
+
+
+def without_waits(built: runner.Built) -> runner.Built:
+  """An energy probe: `built` traced with every `pl.semaphore_wait` in it a
+  no-op, so that our kernels move their bytes and raise their signals but
+  never wait for a peer (wrong results by design: give its case
+  checked=False). Beside the kernel and its exchange-free core at the power
+  cap (`benchmarks.clock_probe`), it tells how much of the exchange's energy
+  is waiting. The kernels' other spins stay (the entry handshake's markers).
+
+  Raises RuntimeError at the first call if the trace removed no wait (a
+  trace from a cache, or nothing that waits)."""
+  removed = []
+
+  def no_wait(*args, **kwargs):
+    del args, kwargs
+    removed.append(1)
+
+  def fn(*args):
+    with mock.patch.object(pl, "semaphore_wait", no_wait):
+      out = built.fn(*args)
+    if not removed:
+      raise RuntimeError("without_waits: the traced function removed no semaphore wait (a"
+                         " cached trace, or nothing waits): the probe would time the kernel"
+                         " as it is.")
+    return out
+
+  return runner.Built(jax.jit(fn), built.args,
+                      {**built.info, "probe": "every semaphore wait removed (cases.without_waits)"})
 
 
 # Why this baseline's result can be wrong: XLA's, not the benchmark's (a plain
