@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
 import jax_overlap
+import testkit
 from benchmarks import cases
 from benchmarks import runner
 from pallas_kernels import platform
@@ -54,11 +54,7 @@ def test_the_kernels_lower_for_cuda_without_their_waits(op, d, shape, monkeypatc
   peers; under the probe it stores and signals into them and never waits."""
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
-  m, k, n = shape
-  if op == "all_gather_matmul":  # x [M_shard, K] rows, w [K, N_shard] columns
-    specs, shapes, out_spec = (P(AXIS), P(None, AXIS)), ((d * m, k), (k, d * n)), P(None, AXIS)
-  else:  # x [M, K_shard] columns, w [K_shard, N] rows
-    specs, shapes, out_spec = (P(None, AXIS), P(AXIS)), ((m, d * k), (d * k, n)), P(AXIS)
+  specs, shapes, out_spec = testkit.collective_matmul_layout(op, d, shape)
   mesh = jax.make_mesh((d,), (AXIS,))
   sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=jax.NamedSharding(mesh, spec))
          for s, spec in zip(shapes, specs)]

@@ -134,12 +134,8 @@ def test_the_kernels_without_their_exchange_lower_for_cuda(op, d, shape, monkeyp
   """Inside `patched()`, impl="pallas" runs the kernels' exchange-free modes
   (`Pregathered.repeat`, `Standalone`): they lower for CUDA inside shard_map
   with no signal into a peer (the real kernels' exchange has them)."""
-  m, k, n = shape
   fn = getattr(jax_overlap, op)
-  if op == "all_gather_matmul":  # x [M_shard, K] rows, w [K, N_shard] columns
-    specs, shapes, out_spec = (P(AXIS), P(None, AXIS)), ((d * m, k), (k, d * n)), P(None, AXIS)
-  else:  # x [M, K_shard] columns, w [K_shard, N] rows
-    specs, shapes, out_spec = (P(None, AXIS), P(AXIS)), ((m, d * k), (d * k, n)), P(AXIS)
+  specs, shapes, out_spec = testkit.collective_matmul_layout(op, d, shape)
   real, free = _cuda_modules(lambda: lambda x, w: fn(x, w, axis_name=AXIS, impl="pallas"),
                              jax.make_mesh((d,), (AXIS,)), specs, out_spec, shapes, monkeypatch)
   assert "red.release.sys" in real

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import reference
 from pallas_kernels import platform
@@ -93,6 +94,18 @@ def dtype_id(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
+
+
+def collective_matmul_layout(op: str, d: int, shape: tuple[int, int, int]):
+  """(in_specs, global shapes of x and w, out_spec) of `op` ("all_gather_matmul"
+  or "matmul_reduce_scatter") over axis AXIS of size d at the benchmarks'
+  per-device `shape` (M_shard x K x N_shard, or M x K_shard x N)."""
+  m, k, n = shape
+  if op == "all_gather_matmul":  # x [M_shard, K] rows, w [K, N_shard] columns
+    return (P(AXIS), P(None, AXIS)), ((d * m, k), (k, d * n)), P(None, AXIS)
+  if op == "matmul_reduce_scatter":  # x [M, K_shard] columns, w [K_shard, N] rows
+    return (P(None, AXIS), P(AXIS)), ((m, d * k), (d * k, n)), P(AXIS)
+  raise ValueError(f"op={op!r}: 'all_gather_matmul' or 'matmul_reduce_scatter'.")
 
 
 def matmul_case_id(case) -> str:
