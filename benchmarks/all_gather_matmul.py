@@ -31,10 +31,11 @@ Cases:
             to its tile's rows (does TMA's zero fill past x cost time?).
             all_gather_alone: lax.all_gather of x, no matmul: T_comm of the
             overlap efficiency the report gives (FLUX's definition).
-            pallas_no_waits (opt-in, unchecked: wrong results): the kernel
-            of `fused_config` with every semaphore wait removed
-            (`cases.without_waits`), an energy probe for
-            `benchmarks.clock_probe`.
+            pallas_no_waits, pallas_local_stores (opt-in, unchecked: wrong
+            results): the kernel of `fused_config` with every semaphore
+            wait removed, and also with its stores into peers landing in
+            its own buffers (`cases.without_waits`): probes of what the
+            exchange costs beside pallas_core.
 """
 
 import dataclasses
@@ -215,8 +216,7 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
                   lambda: _pallas_core_padded(shape, mesh, inputs), opt_in=True),
       runner.Case("all_gather_alone", "floor", lambda: _all_gather_alone(mesh, inputs),
                   checked=False, floor=lambda f: harness.Floor(0, 0, f.nvlink_bytes)),
-      runner.Case("pallas_no_waits", "floor", lambda: cases.without_waits(
-          _pallas_changed(shape, mesh, inputs)), checked=False, opt_in=True),
+      *cases.probes(lambda: _pallas_changed(shape, mesh, inputs)),
   ]
 
 

@@ -1,16 +1,19 @@
 """Case builders more than one op benchmark uses."""
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import os
 from unittest import mock
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import harness
 from benchmarks import runner
 from benchmarks import spmd
+from pallas_kernels import entry
 from pallas_kernels import platform
 
 # XLA's collective matmul: the SPMD partitioner turns an all-gather or
@@ -55,33 +58,59 @@ def ours(impl: str, explain: Callable[[str], object], build: Callable[[str], run
   return runner.Case(impl, "ours", make)
 
 
-def without_waits(built: runner.Built) -> runner.Built:
-  """An energy probe: `built` traced with every `pl.semaphore_wait` in it a
-  no-op, so that our kernels move their bytes and raise their signals but
+def without_waits(built: runner.Built, *, local_stores: bool = False) -> runner.Built:
+  """An energy and time probe: `built` traced with every `pl.semaphore_wait`
+  a no-op, so that our kernels move their bytes and raise their signals but
   never wait for a peer (wrong results by design: give its case
-  checked=False). Beside the kernel and its exchange-free core at the power
-  cap (`benchmarks.clock_probe`), it tells how much of the exchange's energy
-  is waiting. The kernels' other spins stay (the entry handshake's markers).
+  checked=False). Beside the kernel and its exchange-free core
+  (`benchmarks.clock_probe` at the power cap, or the op benchmark), it tells
+  how much of the exchange's cost is waiting.
 
-  Raises RuntimeError at the first call if the trace removed no wait (a
-  trace from a cache, or nothing that waits)."""
-  removed = []
+  local_stores: also every `plgpu.remote_ref` the ref itself, so that the
+  stores and signals meant for peers land in this device's own buffers (the
+  same bytes and issue, no link), and the entry handshake's porter a no-op
+  (it would spin on markers no peer leaves). Otherwise the kernels' other
+  spin, the porter's, stays.
+
+  Raises RuntimeError at the first call if the trace removed no wait, or
+  redirected no remote ref (a trace from a cache, or nothing to change)."""
+  removed, redirected = [], []
 
   def no_wait(*args, **kwargs):
     del args, kwargs
     removed.append(1)
 
+  def local(ref, *args, **kwargs):
+    del args, kwargs
+    redirected.append(1)
+    return ref
+
   def fn(*args):
-    with mock.patch.object(pl, "semaphore_wait", no_wait):
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(mock.patch.object(pl, "semaphore_wait", no_wait))
+      if local_stores:
+        stack.enter_context(mock.patch.object(plgpu, "remote_ref", local))
+        stack.enter_context(mock.patch.object(entry.Entry, "porter", lambda self: None))
       out = built.fn(*args)
-    if not removed:
-      raise RuntimeError("without_waits: the traced function removed no semaphore wait (a"
-                         " cached trace, or nothing waits): the probe would time the kernel"
-                         " as it is.")
+    if not removed or (local_stores and not redirected):
+      raise RuntimeError("without_waits: the traced function removed no semaphore wait or"
+                         " redirected no remote ref (a cached trace, or nothing to change): the"
+                         " probe would time the kernel as it is.")
     return out
 
+  what = "every semaphore wait removed" + (", peers' stores local" if local_stores else "")
   return runner.Built(jax.jit(fn), built.args,
-                      {**built.info, "probe": "every semaphore wait removed (cases.without_waits)"})
+                      {**built.info, "probe": f"{what} (cases.without_waits)"})
+
+
+def probes(build: Callable[[], runner.Built]) -> list[runner.Case]:
+  """The `without_waits` probes of the kernel case that `build` makes, both
+  opt-in and unchecked: pallas_no_waits, and pallas_local_stores (its stores
+  into peers landing locally as well)."""
+  def probe(local_stores: bool) -> Callable[[], runner.Built]:
+    return lambda: without_waits(build(), local_stores=local_stores)
+  return [runner.Case(name, "floor", probe(local), checked=False, opt_in=True)
+          for name, local in (("pallas_no_waits", False), ("pallas_local_stores", True))]
 
 
 # Why this baseline's result can be wrong: XLA's, not the benchmark's (a plain

@@ -32,9 +32,10 @@ Cases:
   floor     gemm_alone: the local dot alone, [M, K_shard] @ [K_shard, N].
             reduce_scatter_alone: lax.psum_scatter of a bf16 [M, N] partial,
             no matmul: T_comm of the overlap efficiency (FLUX's definition).
-            pallas_no_waits (opt-in, unchecked: wrong results): the default
-            kernel with every semaphore wait removed (`cases.without_waits`),
-            an energy probe for `benchmarks.clock_probe`.
+            pallas_no_waits, pallas_local_stores (opt-in, unchecked: wrong
+            results): the default kernel with every semaphore wait removed,
+            and also with its stores into peers landing in its own buffers
+            (`cases.without_waits`): probes of what the exchange costs.
 """
 
 import dataclasses
@@ -221,9 +222,7 @@ def make_cases(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context) -> l
       runner.Case("gemm_alone", "floor", gemm_alone, checked=False),
       runner.Case("reduce_scatter_alone", "floor", lambda: _reduce_scatter_alone(shape, mesh),
                   checked=False, floor=lambda f: harness.Floor(0, 0, f.nvlink_bytes)),
-      runner.Case("pallas_no_waits", "floor",
-                  lambda: cases.without_waits(_pallas(mesh, explain, args)),
-                  checked=False, opt_in=True),
+      *cases.probes(lambda: _pallas(mesh, explain, args)),
   ]
 
 

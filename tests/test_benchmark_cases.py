@@ -1,12 +1,14 @@
-"""benchmarks.cases.without_waits: the energy probe traces a case with every
-semaphore wait of our kernels removed, their stores and signals kept, and
-says so when there was nothing to remove."""
+"""benchmarks.cases.without_waits: the probe traces a case with every
+semaphore wait of our kernels removed, their stores and signals kept (with
+local_stores, landing in the device's own buffers), and says so when there
+was nothing to change."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_overlap
 import testkit
@@ -19,6 +21,8 @@ from testkit import AXIS
 # exported module holds it, and of a signal into a peer.
 WAIT = "ld.relaxed.sys.global.b32 $0, [$1];"
 SIGNAL = "red.release.sys"
+# The entry handshake's spin over its peers' markers (`entry._await_markers`).
+PORTER = "ld.relaxed.sys.global.b32 first"
 
 
 def test_the_probe_removes_the_waits_it_traces_and_restores_them():
@@ -39,19 +43,51 @@ def test_the_probe_removes_the_waits_it_traces_and_restores_them():
   assert probe.info["config"] == "c" and "removed" in probe.info["probe"]
 
 
-def test_a_probe_with_nothing_to_remove_says_so():
-  probe = cases.without_waits(runner.Built(jax.jit(lambda x: x + 1), (jnp.ones(3),)))
-  with pytest.raises(RuntimeError, match="removed no semaphore wait"):
-    probe.fn(*probe.args)
+def test_local_stores_turn_remote_refs_into_the_refs_themselves():
+  """Under local_stores, plgpu.remote_ref(ref, peer) is ref (outside a
+  kernel the real one fails on an array), and is itself again afterwards."""
+  original = plgpu.remote_ref
+
+  def stores(x):
+    pl.semaphore_wait(None, 1)
+    return plgpu.remote_ref(x, {AXIS: 1}) + 1
+
+  with pytest.raises(Exception):
+    jax.jit(stores)(jnp.ones(3))
+  probe = cases.without_waits(runner.Built(jax.jit(stores), (jnp.ones(3),)), local_stores=True)
+  np.testing.assert_array_equal(probe.fn(*probe.args), np.full(3, 2.0))
+  assert plgpu.remote_ref is original and "local" in probe.info["probe"]
+
+
+@pytest.mark.parametrize("local_stores", [False, True])
+def test_a_probe_with_nothing_to_change_says_so(local_stores):
+  def waits_only(x):
+    pl.semaphore_wait(None, 1)
+    return x + 1
+
+  for fn in (lambda x: x + 1, waits_only)[:1 + local_stores]:
+    probe = cases.without_waits(runner.Built(jax.jit(fn), (jnp.ones(3),)),
+                                local_stores=local_stores)
+    with pytest.raises(RuntimeError, match="removed no semaphore wait or redirected no remote"):
+      probe.fn(*probe.args)
+
+
+def test_the_benchmarks_offer_both_probes_opt_in_and_unchecked():
+  built = runner.Built(jax.jit(lambda x: x), ())
+  names = {c.name: c for c in cases.probes(lambda: built)}
+  assert set(names) == {"pallas_no_waits", "pallas_local_stores"}
+  assert all(c.opt_in and not c.checked and c.role == "floor" for c in names.values())
 
 
 @pytest.mark.parametrize("op,d,shape", [
     ("all_gather_matmul", 4, (4096, 8192, 7168)), ("all_gather_matmul", 2, (1024, 4096, 4096)),
     ("matmul_reduce_scatter", 4, (8192, 4096, 7168)),
     ("matmul_reduce_scatter", 2, (2048, 4096, 4096))], ids=str)
-def test_the_kernels_lower_for_cuda_without_their_waits(op, d, shape, monkeypatch):
+@pytest.mark.parametrize("local_stores", [False, True], ids=["remote", "local"])
+def test_the_kernels_lower_for_cuda_without_their_waits(op, d, shape, local_stores, monkeypatch):
   """impl="pallas" exported for CUDA, as on Hopper: the kernel waits for its
-  peers; under the probe it stores and signals into them and never waits."""
+  peers; under the probe it stores and signals and never waits, and with
+  local_stores no porter spins over peers' markers either."""
   monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
   monkeypatch.setattr(platform, "num_sms", lambda: 132)
   specs, shapes, out_spec = testkit.collective_matmul_layout(op, d, shape)
@@ -64,6 +100,8 @@ def test_the_kernels_lower_for_cuda_without_their_waits(op, d, shape, monkeypatc
       lambda x, w: fn(x, w, axis_name=AXIS, impl="pallas"), mesh=mesh, in_specs=specs,
       out_specs=out_spec)), ())
   export = lambda f: jax.export.export(f, platforms=["cuda"])(*sds).mlir_module()
-  real, probe = export(built().fn), export(cases.without_waits(built()).fn)
+  probe = cases.without_waits(built(), local_stores=local_stores)
+  real, probed = export(built().fn), export(probe.fn)
   assert WAIT in real and SIGNAL in real
-  assert WAIT not in probe and SIGNAL in probe and f"{op}_mosaic_gpu" in probe
+  assert WAIT not in probed and SIGNAL in probed and f"{op}_mosaic_gpu" in probed
+  assert PORTER not in probed if local_stores else probed.count(PORTER) == real.count(PORTER)
