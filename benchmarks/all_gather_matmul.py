@@ -29,6 +29,8 @@ Cases:
             already-gathered x, with the config the fused run uses (Hopper);
             pallas_core_padded (opt-in): the same on x padded with zero rows
             to its tile's rows (does TMA's zero fill past x cost time?).
+            pallas_core_sends_a (opt-in): the same on a core built for
+            sends (`TileMatmul(sends_a=True)`) that sends nothing.
             all_gather_alone: lax.all_gather of x, no matmul: T_comm of the
             overlap efficiency the report gives (FLUX's definition).
             pallas_no_waits, pallas_local_stores (opt-in, unchecked: wrong
@@ -49,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 import jax_overlap
 from jax_overlap import tuned
 from pallas_kernels import all_gather_matmul as ag_kernel
+from pallas_kernels import gemm_core
 from pallas_kernels import platform
 from benchmarks import cases
 from benchmarks import harness
@@ -160,6 +163,20 @@ def pallas_core(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands
                       (_pregathered(mesh, inputs), inputs.w), {"config": repr(config)})
 
 
+def _pallas_core_sends_a(shape: shapes.AllGatherMatmulShape, mesh,
+                         inputs: cases.Operands) -> runner.Built:
+  """pallas_core on a GEMM core built for sends (`TileMatmul(sends_a=True)`:
+  A and B stages released per operand), though nothing is sent: what the
+  forward and ring designs' core costs before any store (a probe; the
+  result is still the op's)."""
+  core = gemm_core.TileMatmul
+  return cases.traced_under(
+      pallas_core(shape, mesh, inputs),
+      [cases.Patch(gemm_core, "TileMatmul", lambda *args, **kwargs: core(
+          *args, **{**kwargs, "sends_a": True}))],
+      "pallas_core on a core built with sends_a=True")
+
+
 def _pallas_core_padded(shape: shapes.AllGatherMatmulShape, mesh,
                         inputs: cases.Operands) -> runner.Built:
   """pallas_core on the gathered x padded with zero rows (in HBM, before the
@@ -214,6 +231,8 @@ def make_cases(shape: shapes.AllGatherMatmulShape, ctx: runner.Context) -> list[
       runner.Case("pallas_core", "floor", lambda: pallas_core(shape, mesh, inputs)),
       runner.Case("pallas_core_padded", "floor",
                   lambda: _pallas_core_padded(shape, mesh, inputs), opt_in=True),
+      runner.Case("pallas_core_sends_a", "floor",
+                  lambda: _pallas_core_sends_a(shape, mesh, inputs), opt_in=True),
       runner.Case("all_gather_alone", "floor", lambda: _all_gather_alone(mesh, inputs),
                   checked=False, floor=lambda f: harness.Floor(0, 0, f.nvlink_bytes)),
       *cases.probes(lambda: _pallas_changed(shape, mesh, inputs)),

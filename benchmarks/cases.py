@@ -1,6 +1,7 @@
 """Case builders more than one op benchmark uses."""
 
 from collections.abc import Callable
+from collections.abc import Sequence
 import contextlib
 import dataclasses
 import os
@@ -58,6 +59,44 @@ def ours(impl: str, explain: Callable[[str], object], build: Callable[[str], run
   return runner.Case(impl, "ours", make)
 
 
+@dataclasses.dataclass(frozen=True)
+class Patch:
+  """`owner.name` replaced by `replacement` while a probe traces; `required`:
+  the trace must call it (else the probe changed nothing)."""
+  owner: object
+  name: str
+  replacement: Callable
+  required: bool = True
+
+
+def traced_under(built: runner.Built, patches: Sequence[Patch], what: str) -> runner.Built:
+  """A probe: `built` traced with `patches` in place (jitted afresh, so its
+  first call traces it). Raises RuntimeError at that call if the trace never
+  called a required replacement (a trace from a cache, or nothing to
+  change: the probe would time the kernel as it is)."""
+  calls = [0] * len(patches)
+
+  def counted(i: int, replacement: Callable) -> Callable:
+    def call(*args, **kwargs):
+      calls[i] += 1
+      return replacement(*args, **kwargs)
+    return call
+
+  def fn(*args):
+    with contextlib.ExitStack() as stack:
+      for i, patch in enumerate(patches):
+        stack.enter_context(mock.patch.object(patch.owner, patch.name,
+                                              counted(i, patch.replacement)))
+      out = built.fn(*args)
+    if missing := [p.name for p, n in zip(patches, calls) if p.required and not n]:
+      raise RuntimeError(f"{what}: the trace never called the patched {', '.join(missing)} (a"
+                         " cached trace, or nothing to change): the probe would time the kernel"
+                         " as it is.")
+    return out
+
+  return runner.Built(jax.jit(fn), built.args, {**built.info, "probe": what})
+
+
 def without_waits(built: runner.Built, *, local_stores: bool = False) -> runner.Built:
   """An energy and time probe: `built` traced with every `pl.semaphore_wait`
   a no-op, so that our kernels move their bytes and raise their signals but
@@ -68,39 +107,15 @@ def without_waits(built: runner.Built, *, local_stores: bool = False) -> runner.
 
   local_stores: also every `plgpu.remote_ref` the ref itself, so that the
   stores and signals meant for peers land in this device's own buffers (the
-  same bytes and issue, no link), and the entry handshake's porter a no-op
-  (it would spin on markers no peer leaves). Otherwise the kernels' other
-  spin, the porter's, stays.
-
-  Raises RuntimeError at the first call if the trace removed no wait, or
-  redirected no remote ref (a trace from a cache, or nothing to change)."""
-  removed, redirected = [], []
-
-  def no_wait(*args, **kwargs):
-    del args, kwargs
-    removed.append(1)
-
-  def local(ref, *args, **kwargs):
-    del args, kwargs
-    redirected.append(1)
-    return ref
-
-  def fn(*args):
-    with contextlib.ExitStack() as stack:
-      stack.enter_context(mock.patch.object(pl, "semaphore_wait", no_wait))
-      if local_stores:
-        stack.enter_context(mock.patch.object(plgpu, "remote_ref", local))
-        stack.enter_context(mock.patch.object(entry.Entry, "porter", lambda self: None))
-      out = built.fn(*args)
-    if not removed or (local_stores and not redirected):
-      raise RuntimeError("without_waits: the traced function removed no semaphore wait or"
-                         " redirected no remote ref (a cached trace, or nothing to change): the"
-                         " probe would time the kernel as it is.")
-    return out
-
+  same bytes and issue, no link), and the entry handshake's porter (where a
+  kernel has one) a no-op: it would spin on markers no peer leaves.
+  Otherwise the kernels' other spin, the porter's, stays."""
+  patches = [Patch(pl, "semaphore_wait", lambda *args, **kwargs: None)]
+  if local_stores:
+    patches += [Patch(plgpu, "remote_ref", lambda ref, *args, **kwargs: ref),
+                Patch(entry.Entry, "porter", lambda self: None, required=False)]
   what = "every semaphore wait removed" + (", peers' stores local" if local_stores else "")
-  return runner.Built(jax.jit(fn), built.args,
-                      {**built.info, "probe": f"{what} (cases.without_waits)"})
+  return traced_under(built, patches, f"{what} (cases.without_waits)")
 
 
 def probes(build: Callable[[], runner.Built]) -> list[runner.Case]:

@@ -133,6 +133,26 @@ def test_kernel_matches_float64_reference(case, interpreter):
 
 
 @pytest.mark.timeout(120)
+def test_a_core_built_for_sends_computes_the_same_without_any(interpreter, monkeypatch):
+  """A core built with sends_a=True (stages released per operand) whose
+  tiles send nothing, as `benchmarks.all_gather_matmul`'s
+  pallas_core_sends_a runs it: the product is the op's (3 K steps on 2
+  stages: the ring wraps)."""
+  d, index, wg_split, tile_n, dtype, m_shard, k, num_sms = CASES[5]
+  core, built = gemm_core.TileMatmul, []
+
+  def sends_a_core(*args, **kwargs):
+    built.append(kwargs.get("sends_a"))
+    return core(*args, **{**kwargs, "sends_a": True})
+
+  monkeypatch.setattr(gemm_core, "TileMatmul", sends_a_core)
+  gathered, w = _inputs(d, m_shard, k, dtype, index, "sends_a")
+  out, _ = _run(interpreter(), gathered, w, index, d, _config(tile_n, wg_split), num_sms)
+  assert built == [False]  # Pregathered: the kernel itself builds a core without sends
+  testkit.assert_matmul_close(out, gathered, w, dtype)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[8]], ids=_case_id)
 def test_transposed_w_matches_float64_reference(case, interpreter):
   """w handed over as [N, K] (`w_transposed`): the core loads [cta_n, tile_k]

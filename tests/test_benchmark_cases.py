@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AxisType
 
 import jax_overlap
 import testkit
+from benchmarks import all_gather_matmul as ag_bench
 from benchmarks import cases
 from benchmarks import runner
+from benchmarks import shapes
 from pallas_kernels import platform
 from testkit import AXIS
 
@@ -68,7 +71,7 @@ def test_a_probe_with_nothing_to_change_says_so(local_stores):
   for fn in (lambda x: x + 1, waits_only)[:1 + local_stores]:
     probe = cases.without_waits(runner.Built(jax.jit(fn), (jnp.ones(3),)),
                                 local_stores=local_stores)
-    with pytest.raises(RuntimeError, match="removed no semaphore wait or redirected no remote"):
+    with pytest.raises(RuntimeError, match="never called the patched"):
       probe.fn(*probe.args)
 
 
@@ -105,3 +108,17 @@ def test_the_kernels_lower_for_cuda_without_their_waits(op, d, shape, local_stor
   assert WAIT in real and SIGNAL in real
   assert WAIT not in probed and SIGNAL in probed and f"{op}_mosaic_gpu" in probed
   assert PORTER not in probed if local_stores else probed.count(PORTER) == real.count(PORTER)
+
+
+def test_the_core_on_a_sends_a_core_builds_and_lowers_for_cuda(monkeypatch):
+  """pallas_core_sends_a: pallas_core traced with its core built for sends;
+  it exports for CUDA (a trace that built no core would raise)."""
+  monkeypatch.setattr(platform, "hopper_unavailable_reason", lambda: None)
+  monkeypatch.setattr(platform, "num_sms", lambda: 132)
+  mesh = testkit.mesh_1d(2, AxisType.Auto)  # as benchmarks.spmd.mesh() makes it, on 2 devices
+  shape = shapes.AllGatherMatmulShape(1024, 4096, 4096)
+  probe = ag_bench._pallas_core_sends_a(shape, mesh, ag_bench.setup(shape, mesh))
+  assert "sends_a" in probe.info["probe"] and "config" in probe.info
+  sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in probe.args]
+  module = jax.export.export(probe.fn, platforms=["cuda"])(*sds).mlir_module()
+  assert "all_gather_matmul_mosaic_gpu" in module and SIGNAL not in module
