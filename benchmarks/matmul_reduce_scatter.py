@@ -22,8 +22,7 @@ Cases:
             the devices meeting inside the kernel, or at XLA's barrier
             before the launch (one of the two is the default: RS v14);
             pallas_cta<M>x<N>[m] (opt-in): the default design on the CTA
-            tiles of `CTA_TILES` (e.g. smaller ones, whose peer tiles end a
-            wave before the own ones at ~2 waves of the default's);
+            tiles of `CTA_TILES` (smaller ones lost to the default, s54);
             xla_bsp, xla_ring (a ppermute ring: it stands for the ring
             baseline too).
   baseline  user_bsp: jnp.dot then lax.psum_scatter, both in bf16.
@@ -150,10 +149,11 @@ def _default_config(shape: shapes.MatmulReduceScatterShape, ctx: runner.Context)
 
 
 # Other CTA tiles for the default design (opt-in cases pallas_<name>): the
-# warpgroups side by side along N, or stacked along M ("m"). At 2048 x 4096 x
-# 4096 and D = 4 the default's 128 x 256 tiles make 1.9 waves, and the
-# second wave's 60 peer tiles (3.9 MB) leave at the very end; 128 x 128 tiles
-# make 3.9 waves, the peer tiles ending a wave before the own ones.
+# warpgroups side by side along N, or stacked along M ("m"). Built to test
+# whether, at 2048 x 4096 x 4096 and D = 4 (the default's 128 x 256 tiles: 1.9
+# waves), the second wave's peer tiles left alone at the end are the kernel's
+# tail: refuted on 4 H200s (session 54: no set beat the default at 2048 or
+# 8192 rows, D = 2 or 4; benchmarks/NOTES.md, RS section).
 CTA_TILES = {
     "cta128x256": gemm_core.GemmTiles(tile_m=128, tile_n=128, wg_split="n"),
     "cta128x128m": gemm_core.GemmTiles(tile_m=64, tile_n=128, stages=5, wg_split="m"),
