@@ -16,12 +16,22 @@ K/V byte is read once. Steps past the sequence's end are not loaded; a split
 with no valid position publishes an empty partial (lse = -inf), so every wait
 below completes.
 
+With `positions_on_m` (decode v23) the products are transposed: scores^T =
+K q^T [block_kv, N] and o^T += V^T p^T [Dh, N], the KV positions on the
+`wgmma` M and the group's query window on its N (`query_window`: N = 8 for
+G <= 8), so that a step computes on block_kv x N values instead of 64 x
+block_kv mostly padding rows; the softmax's max over positions is a
+cross-warp reduction, the sum stays per position until the item's end, and
+p^T and the normalized rows are stored transposed.
+
 Exchange. The item's Gp rows of the normalized output (in q's dtype, or
 float32 with `narrow_partials` off) from its group's first (G of them its group's,
 Gp = G rounded up to 8 so that every group starts on an 8-row tile of the
-receive buffers) and its log-sum-exp
-(broadcast over LSE_COLS columns) are TMA-stored into every device's receive
-buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R, LSE_COLS], at row
+receive buffers; the rows past a group's G are padding, never read into the
+output) and their log-sum-exps (one float32 each, staged LSE_PAD floats into
+a vector so that the TMA's shared-memory side is 128-byte aligned) are
+TMA-stored into every device's receive
+buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R], at row
 (b * Hkv + h) * Gp of slot me * splits + split, and the semaphore of (its
 merge tile, this source device) is raised on each device once the rows have
 landed there: here at once, before the stores into the peers are issued (a
@@ -69,6 +79,7 @@ remote refs there). The seam runs on one block: its phases need no waits.
 
 import dataclasses
 import functools
+import math
 import operator
 
 import jax
@@ -86,11 +97,10 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL_NAME = "flash_decode"
 HEAD_DIMS = (64, 128)
 ROWS = 64  # the M of a wgmma: query rows per item and per output tile
-# A log-sum-exp row is broadcast over 32 float32s: 128 bytes, so that the TMA
-# store of a group's rows is 128-byte aligned from any staging row; the merge
-# reads 8 of them (a 32-byte TMA row).
-LSE_COLS = 32
-LSE_MERGE_COLS = 8
+# An item writes its log-sum-exps into a staging vector so that the group's
+# first lands LSE_PAD floats (128 bytes) in: the TMA's shared-memory address
+# must be 128-byte aligned, and a group starts anywhere in its 8-row window.
+LSE_PAD = 32
 # Most partials merged per step of the merge ring (unrolled): 16 splits take
 # two steps, the second's loads under the first's arithmetic (b1_s32768: 0.4
 # µs less than one step of 16).
@@ -126,6 +136,12 @@ class FlashDecodeConfig:
       error within one bf16 ulp of the float32 exchange's, every GPU test
       passing at D = 4 and its config-variant test at D = 2
       (benchmarks/NOTES.md).
+    positions_on_m: phase 1 puts the KV positions on the wgmma M and the
+      group's query window on its N (see the module docstring): decode v23,
+      v15 of session 20 rebuilt (lost with its branch; measured then on one
+      H200 at -1.3..1.5 µs at the latency-bound shapes' local share and
+      -22..24% at Dh = 64). Interpreter- and lowering-tested, not yet run on
+      GPUs (`experimental_reason`); off by default.
     one_fence: a block raises an item's semaphores on the D - 1 peers
       behind one system-scope fence (`signals.signal_each`) instead of one
       release per peer (`signals.signal`): in the D = 4 profile (4 H200s,
@@ -147,16 +163,20 @@ class FlashDecodeConfig:
   merge_all: bool = False
   narrow_partials: bool = True
   one_fence: bool = True
+  positions_on_m: bool = False
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
     return jnp.dtype(dtype if self.narrow_partials else jnp.float32)
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """The larger of the two phases' shared memory (they run one after the other)."""
+  def smem_bytes(self, head_dim: int, itemsize: int, heads: int) -> int:
+    """The larger of the two phases' shared memory (they run one after the
+    other), for groups of `heads` = Hq / Hkv query heads."""
     ring = self.stages * 2 * self.block_kv * head_dim * itemsize
-    tiles = ROWS * (head_dim + self.block_kv) * itemsize  # q, P
-    staging = ROWS * (head_dim * self._partial_itemsize(itemsize) + LSE_COLS * 4)  # o, lse
+    window = query_window(heads) if self.positions_on_m else ROWS
+    tiles = window * (head_dim + self.block_kv) * itemsize  # q, P
+    rows = staging_rows(heads, self)
+    staging = rows * head_dim * self._partial_itemsize(itemsize) + (LSE_PAD + rows) * 4  # o, lse
     return max(ring + tiles + staging, self._merge_bytes(*self.merge_ring(itemsize), itemsize))
 
   def merge_ring(self, itemsize: int) -> tuple[int, int]:
@@ -172,7 +192,7 @@ class FlashDecodeConfig:
 
   def _merge_bytes(self, batch: int, stages: int, itemsize: int) -> int:
     ring = stages * batch * ROWS * (
-        self.combine_cols * self._partial_itemsize(itemsize) + LSE_MERGE_COLS * 4)
+        self.combine_cols * self._partial_itemsize(itemsize) + 4)
     return ring + ROWS * self.combine_cols * itemsize  # + the output tile
 
   def _partial_itemsize(self, itemsize: int) -> int:
@@ -207,7 +227,7 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
     cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
   stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
-      block_kv, splits, n, cols).smem_bytes(head_dim, itemsize) <= SMEM_BYTES])
+      block_kv, splits, n, cols).smem_bytes(head_dim, itemsize, q_heads // kv_heads) <= SMEM_BYTES])
   return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols)
 
 
@@ -234,7 +254,7 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
   if s_shard % (config.block_kv * config.splits):
     return (f"the local KV length S_shard = {s_shard} must be a multiple of"
             f" block_kv * splits = {config.block_kv * config.splits}.")
-  need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
+  need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, q_heads // kv_heads)
   if need > SMEM_BYTES:
     return f"config {config} needs {need} bytes of shared memory, more than {SMEM_BYTES}."
   return None
@@ -252,6 +272,9 @@ def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | N
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
             " decode v19).")
+  if config.positions_on_m:
+    return ("config.positions_on_m is interpreter- and lowering-tested, not yet run on GPUs"
+            " (benchmarks/NOTES.md, decode v23).")
   return None
 
 
@@ -263,7 +286,7 @@ class Received:
     o: [D * splits, R, Dh] of `config.partial_dtype(q.dtype)`, laid out like
       the kernel's recv_o; the slots of device `index` are ignored (the
       kernel computes them).
-    lse: [D * splits, R, LSE_COLS] float32, likewise.
+    lse: [D * splits, R] float32, likewise.
     index: the device whose output to compute, 0 <= index < D.
   """
   o: jax.Array
@@ -276,6 +299,29 @@ def padded_group(group: int) -> int:
   up to 8, so that each group's rows start 8-aligned in shared memory (Mosaic
   GPU tiles f32 tiles by 8 rows; a TMA slice must start on a tile)."""
   return -(-group // 8) * 8
+
+
+def _most_offset(group: int) -> int:
+  """The furthest a group of G query rows starts past the 8-aligned row at or
+  before its first."""
+  return 0 if group % 8 == 0 else 8 - math.gcd(group, 8)
+
+
+def query_window(group: int) -> int:
+  """N, the query rows an item reads with positions_on_m: its group's G rows
+  from the 8-aligned row at or before its first, at any offset a group takes
+  in it; a multiple of 8."""
+  return -(-(_most_offset(group) + group) // 8) * 8
+
+
+def staging_rows(group: int, config: FlashDecodeConfig) -> int:
+  """Rows of an item's staging tile: its query window, and room for the Gp
+  rows it delivers from its group's offset (with positions_on_m the rows past
+  the window are padding of the group, never read into the output)."""
+  if not config.positions_on_m:
+    return ROWS
+  padded = _most_offset(group) + padded_group(group)
+  return max(query_window(group), -(-padded // 8) * 8)
 
 
 def merge_tiles(batch: int, q_heads: int, kv_heads: int) -> tuple[int, int]:
@@ -318,6 +364,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
   _, s, hkv, _ = k.shape
   heads = hq // hkv  # G, the query heads of one group
   group = padded_group(heads)  # Gp, its rows in the receive buffers
+  on_m = config.positions_on_m
+  window = query_window(heads) if on_m else ROWS  # q rows per item
+  staging = staging_rows(heads, config)
   exchange = received is None
   splits = config.splits
   if exchange:
@@ -357,8 +406,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
 
     @jax.named_scope("deliver")
-    def deliver(o_smem, lse_smem, window, bh, slot, first, prev):
-      """Stores group bh's rows, from row `window` of the staging tiles, into
+    def deliver(o_smem, lse_smem, offset, bh, slot, first, prev):
+      """Stores group bh's rows, from row `offset` of the staging tile (and
+      LSE_PAD of the log-sum-exps' vector), into
       this device's receive buffers and raises the merge tile's semaphore for
       this source here once they have landed; then (unless this is the
       block's `first` delivery) raises the peers' semaphores for the block's
@@ -368,11 +418,11 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       round trip before the next one starts, and the local signal does not
       wait for the remote stores. The seam: after the own rows, the peers'
       rows from `received`."""
-      src, dst = pl.ds(window, group), pl.ds(bh * group, group)
+      dst = pl.ds(bh * group, group)
 
       def store(o_to, lse_to):
-        plgpu.copy_smem_to_gmem(o_smem.at[src], o_to.at[slot, dst])
-        plgpu.copy_smem_to_gmem(lse_smem.at[src], lse_to.at[slot, dst])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], o_to.at[slot, dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(LSE_PAD, group)], lse_to.at[slot, dst])
 
       store(recv_o, recv_lse)
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -403,7 +453,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
 
     def q_window(bh):
       """(first row, offset): group bh's G rows start `offset` (< 8) rows into
-      the 64-row window of q from an 8-aligned first row."""
+      the window of q from an 8-aligned first row."""
       start = bh * heads // 8 * 8
       return start, bh * heads - start
 
@@ -412,56 +462,79 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       """Phase 1: group bh's partial over the K/V of `kv` = (k, v, index
       map: [block_kv, Dh] block of pipeline step i), whose first `length`
       positions are valid, into slot `split`; then `deliver`s it."""
-      window_start, window = q_window(bh)
+      window_start, offset = q_window(bh)
       # Rows past q's end read as zeros.
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, ROWS)], q_smem, q_loaded)
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, window)], q_smem, q_loaded)
       steps = pl.cdiv(length, config.block_kv)
+      # The KV positions' axis of the scores, and the query rows' axis.
+      pos_axis, q_axis = (0, 1) if on_m else (1, 0)
+      bcast = lambda x, like: lax.broadcast_in_dim(x, like.shape, [q_axis])
 
-      def matmul(a_smem, b_smem, n):
+      def matmul(a_smem, b_smem, shape):
         def run(acc):
           plgpu.wgmma(acc, a_smem, b_smem)
           return acc[...]
-        return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
       def step(idxs, k_smem, v_smem, carry):
         # q lands while the pipeline's first K/V loads are in flight.
         pl.when(idxs[0] == 0)(lambda: plgpu.barrier_wait(q_loaded))
         acc, m, l = carry
-        scores = matmul(q_smem, k_smem.T, config.block_kv) * scale
+        if on_m:  # scores^T = K q^T [block_kv, N]
+          scores = matmul(k_smem, q_smem.T, (config.block_kv, window))
+        else:  # scores = q K^T [ROWS, block_kv]
+          scores = matmul(q_smem, k_smem.T, (ROWS, config.block_kv))
+        scores = scores * scale
         if kv_lens is not None:
           pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
-              jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+              jnp.int32, scores.shape, pos_axis, layout=plgpu.Layout.WGMMA)
           scores = jnp.where(pos < length, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
+        m_new = jnp.maximum(m, scores.max(axis=pos_axis))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: no NaN
         alpha = jnp.exp(m - shift)
-        p = jnp.exp(scores - lax.broadcast_in_dim(shift, scores.shape, [0]))
-        p_smem[...] = p.astype(dtype)
-        plgpu.commit_smem()
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + matmul(p_smem, v_smem, dh)
-        return acc, m_new, l * alpha + p.sum(axis=1)
+        p = jnp.exp(scores - bcast(shift, scores))
+        if on_m:  # o^T += V^T p^T [Dh, N]
+          p_smem.T[...] = plgpu.layout_cast(p.astype(dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+          plgpu.commit_smem()
+          pv = matmul(v_smem.T, p_smem.T, (dh, window))
+          l = l * bcast(alpha, l) + p  # per position: reduced once, at the end
+        else:
+          p_smem[...] = p.astype(dtype)
+          plgpu.commit_smem()
+          pv = matmul(p_smem, v_smem, (ROWS, dh))
+          l = l * alpha + p.sum(axis=1)
+        return acc * bcast(alpha, acc) + pv, m_new, l
 
       k_view, v_view, index_map = kv
       spec = plgpu.BlockSpec((config.block_kv, dh), index_map, transforms=swizzled)
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      rows_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
+      zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
       acc, m, l = plgpu.emit_pipeline(
           step, grid=(steps,), in_specs=[spec, spec],
           max_concurrent_steps=config.stages,
-          init_carry=(plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), plgpu.Layout.WGMMA),
-                      plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                      plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)),
+          init_carry=((zeros((dh, window)) if on_m else zeros((ROWS, dh))),
+                      plgpu.layout_cast(jnp.full((window,), -jnp.inf, jnp.float32), rows_layout),
+                      (zeros((config.block_kv, window)) if on_m
+                       else plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))),
       )(k_view, v_view)
       pl.when(steps == 0)(lambda: plgpu.barrier_wait(q_loaded))  # keep the barrier's phase
 
+      if on_m:
+        l = l.sum(axis=0)
       some = l > 0
       safe_l = jnp.where(some, l, 1.0)
       lse = jnp.where(some, m + jnp.log(safe_l), -jnp.inf)
       if remote:  # the previous item's stores to the peers may still read the staging tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(o_smem.dtype)
-      lse_smem[...] = lax.broadcast_in_dim(lse, (ROWS, LSE_COLS), [0])
+      o = (acc / bcast(safe_l, acc)).astype(o_smem.dtype)
+      if on_m:
+        o_smem.at[pl.ds(0, window)].T[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
+      else:
+        o_smem[...] = o
+      # The group's first log-sum-exp lands at LSE_PAD.
+      lse_smem.at[pl.ds(LSE_PAD - offset, window)][...] = lse
       plgpu.commit_smem()
-      deliver(o_smem, lse_smem, window, bh, me * splits + split, first, prev)
+      deliver(o_smem, lse_smem, offset, bh, me * splits + split, first, prev)
 
     def publish(bh):
       """Raises group bh's merge-tile semaphore on every peer (with
@@ -504,8 +577,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       def step(_, o_smem, lse_smem, carry):
         # The step's partials are weighed against their own max first, so
         # that their loads and exponentials do not wait on one another.
-        lses = [plgpu.load(lse_smem.at[i], layout=plgpu.Layout.WGMMA).max(axis=1)
-                for i in range(batch)]
+        lses = [plgpu.load(lse_smem.at[i], layout=row_layout) for i in range(batch)]
         m = functools.reduce(jnp.maximum, lses)
         shift = jnp.where(m == -jnp.inf, 0.0, m)  # all empty: no NaN
         weights = [jnp.exp(lse - shift) for lse in lses]
@@ -525,7 +597,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           return plgpu.emit_pipeline(
               step, grid=(slots // batch,),
               in_specs=[plgpu.BlockSpec((batch, ROWS, cols), lambda p: (p, 0, 0)),
-                        plgpu.BlockSpec((batch, ROWS, LSE_MERGE_COLS), lambda p: (p, 0, 0))],
+                        plgpu.BlockSpec((batch, ROWS), lambda p: (p, 0))],
               max_concurrent_steps=min(merge_stages, slots // batch), init_carry=empty(),
           )(recv_o.at[pl.ds(first, slots), tile_rows, tile_cols],
             recv_lse.at[pl.ds(first, slots), tile_rows])
@@ -606,11 +678,11 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           publish(last)
 
     pl.run_scoped(phase1,
-                  plgpu.SMEM((ROWS, dh), dtype, transforms=swizzled),
+                  plgpu.SMEM((window, dh), dtype, transforms=swizzled),
                   plgpu.Barrier(num_arrivals=1),
-                  plgpu.SMEM((ROWS, config.block_kv), dtype, transforms=swizzled),
-                  plgpu.SMEM((ROWS, dh), config.partial_dtype(dtype)),
-                  plgpu.SMEM((ROWS, LSE_COLS), jnp.float32))
+                  plgpu.SMEM((window, config.block_kv), dtype, transforms=swizzled),
+                  plgpu.SMEM((staging, dh), config.partial_dtype(dtype)),
+                  plgpu.SMEM((LSE_PAD + staging,), jnp.float32))
 
     def phase2(out_smem):
       # Phase-2 items continue phase 1's round robin: item `items + j` goes to
@@ -623,7 +695,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   received_types = (jax.ShapeDtypeStruct((partials, rows, dh), config.partial_dtype(dtype)),
-                    jax.ShapeDtypeStruct((partials, rows, LSE_COLS), jnp.float32))
+                    jax.ShapeDtypeStruct((partials, rows), jnp.float32))
   out_types = (jax.ShapeDtypeStruct((b * hq, dh), dtype), *received_types)
   inputs = (q_rows, k, v) + (() if kv_lens is None else (kv_lens.astype(jnp.int32),))
   if not exchange:

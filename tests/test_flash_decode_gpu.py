@@ -124,14 +124,15 @@ def test_blocks_with_several_items():
 
 
 @pytest.mark.experimental
-@pytest.mark.parametrize("field", ["merge_all", "narrow_partials", "one_fence"])
-@pytest.mark.parametrize("case", CASES[:2] + CASES[4:], ids=_case_id)
+@pytest.mark.parametrize("field", ["merge_all", "narrow_partials", "one_fence", "positions_on_m"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_config_variant_matches_float64_on_every_device_twice(case, field):
   """A config switch flipped from the default: merge_all on (decode v19:
   every source's partials in one merge pipeline), narrow_partials off (v20,
   the default since session 34, exchanges the partials in q's dtype; off:
-  in float32) or one_fence off (v21, the default since session 35, raises
-  the peers' signals behind one fence; off: a release per peer);
+  in float32), one_fence off (v21, the default since session 35, raises
+  the peers' signals behind one fence; off: a release per peer) or
+  positions_on_m on (v23: the KV positions on the wgmma M, G = 1, 4, 8, 16);
   ragged lengths, every device's output (replicated bit for bit), two calls
   (the second must not see the first one's signals)."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel

@@ -82,6 +82,11 @@ CASES = [
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
      fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
 ]
+# positions_on_m: the same problems with the products transposed (query
+# windows of 8 rows at G = 1, 4 and 8, 16 at G = 12 and 24 at G = 24; group
+# offsets of 0-7 in them; a 3-deep ring; float32 partials; no lengths).
+CASES += [case[:8] + (dataclasses.replace(case[8], positions_on_m=True),)
+          for case in (CASES[i] for i in (0, 1, 2, 4, 5, 6, 7, 8, 11))]
 
 
 def _run(case, index, given_o, given_lse, interpret):
@@ -103,7 +108,7 @@ def _empty_partials(case):
   b, hq, hkv, dh, _, d, _, dtype, config = case
   shape = (d * config.splits, fd.receive_rows(b, hq, hkv))
   return (jnp.zeros(shape + (dh,), config.partial_dtype(dtype)),
-          jnp.full(shape + (fd.LSE_COLS,), -jnp.inf))
+          jnp.full(shape, -jnp.inf))
 
 
 def _own_slots(recv, index, splits):
@@ -113,7 +118,8 @@ def _own_slots(recv, index, splits):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
                          f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
-                         f"{'' if c[8].narrow_partials else '_f32_partials'}")
+                         f"{'' if c[8].narrow_partials else '_f32_partials'}"
+                         f"{'_on_m' if c[8].positions_on_m else ''}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
@@ -131,13 +137,15 @@ def _check_merges(case, interpreter):
   given_o = jnp.concatenate([_own_slots(o, i, splits) for i, (o, _) in enumerate(partials)])
   given_lse = jnp.concatenate([_own_slots(l, i, splits) for i, (_, l) in enumerate(partials)])
   chunk = s // splits
-  rows = fd.padded_group(hq // hkv)
+  heads = hq // hkv
+  rows = fd.padded_group(heads)
   for i in range(d):
     for bi, n in enumerate(lens or ()):
       for split in range(splits):
         if n <= i * s + split * chunk:  # no valid position in this split
           lse = np.asarray(given_lse)[i * splits + split, bi * hkv * rows:(bi + 1) * hkv * rows]
-          assert np.all(lse == -np.inf), (i, bi, split)
+          # The groups' G rows; the rest of each group's Gp are padding.
+          assert np.all(lse.reshape(hkv, rows)[:, :heads] == -np.inf), (i, bi, split)
   # Pass 2: every device merges all partials.
   tol = 2e-2 if dtype == BF16 else 4e-3  # P is rounded to the input dtype for the PV wgmma
   outs = []
@@ -185,6 +193,17 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, m
   # behind one system-scope fence (one_fence, the default).
   assert "red.release.gpu" in module and "fence.acq_rel.sys;" in module
   assert "fence.acq_rel.gpu" not in module
+
+
+@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,stages", [
+    (2, BF16, 128, 32, 32, 8192, 2), (4, BF16, 128, 64, 1, 32768, 2),
+    (2, F16, 64, 32, 8, 8192, 3), (4, BF16, 128, 8, 8, 8192, 3)])
+def test_positions_on_m_lowers_for_cuda(d, dtype, dh, hq, b, s_total, stages):
+  """The transposed products (K q^T and V^T p^T from transposed shared-memory
+  operands, p^T and the rows stored through the transposed register layout,
+  the max over positions across warps) lower for CUDA at G = 1, 4 and 8."""
+  module = _cuda_module(d, dtype, dh, hq, b, s_total, positions_on_m=True, stages=stages)
+  assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module and module.count("bra SPIN") == 1
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])
@@ -286,7 +305,22 @@ def test_merge_ring_takes_as_many_partials_per_step_as_fit():
                                   narrow_partials=narrow)
     batch, stages = config.merge_ring(itemsize)
     assert splits % batch == 0 and 1 <= stages <= 2
-    assert config.smem_bytes(128, itemsize) <= fd.SMEM_BYTES
+    assert config.smem_bytes(128, itemsize, 8) <= fd.SMEM_BYTES
+
+
+def test_query_windows_hold_a_group_from_any_offset():
+  """With positions_on_m an item reads N rows of q from the 8-aligned row at
+  or before its group's first: every group's G rows fit, at every batch and
+  head, and so do the Gp rows it delivers from the staging tile."""
+  on_m = fd.FlashDecodeConfig(positions_on_m=True)
+  assert [fd.query_window(g) for g in (1, 2, 4, 8, 3, 12, 24, 56)] == [8, 8, 8, 8, 16, 16, 24, 56]
+  for g in range(1, 57):
+    window, rows = fd.query_window(g), fd.staging_rows(g, on_m)
+    for first in range(0, 64 * g, g):
+      offset = first % 8
+      assert offset + g <= window <= fd.ROWS and offset + fd.padded_group(g) <= rows, (g, first)
+    assert window % 8 == 0 and rows % 8 == 0 and rows <= window + 8
+  assert fd.staging_rows(4, fd.FlashDecodeConfig()) == fd.ROWS
 
 
 def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
@@ -315,3 +349,6 @@ def test_experimental_configs_are_named(d):
   assert config.one_fence
   assert fd.experimental_reason(dataclasses.replace(config, one_fence=False),
                                 axis_size=d) is None
+  assert not config.positions_on_m
+  assert "positions_on_m" in fd.experimental_reason(
+      dataclasses.replace(config, positions_on_m=True), axis_size=d)
