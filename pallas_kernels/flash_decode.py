@@ -531,6 +531,12 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         o_smem.at[pl.ds(0, window)].T[...] = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
       else:
         o_smem[...] = o
+      if on_m and heads % 2:
+        # A group may start at an odd row: store through a layout of single
+        # floats (the columns' layout holds pairs, 8-byte aligned stores).
+        columns = plgpu.layout_cast(lax.broadcast_in_dim(lse, (ROWS, window), [1]),
+                                    plgpu.Layout.WGMMA)
+        lse = plgpu.layout_cast(columns, plgpu.Layout.WGMMA_TRANSPOSED).max(axis=0)
       # The group's first log-sum-exp lands at LSE_PAD.
       lse_smem.at[pl.ds(LSE_PAD - offset, window)][...] = lse
       plgpu.commit_smem()

@@ -197,11 +197,12 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, m
 
 @pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,stages", [
     (2, BF16, 128, 32, 32, 8192, 2), (4, BF16, 128, 64, 1, 32768, 2),
-    (2, F16, 64, 32, 8, 8192, 3), (4, BF16, 128, 8, 8, 8192, 3)])
+    (2, F16, 64, 32, 8, 8192, 3), (4, BF16, 128, 8, 8, 8192, 3), (2, F16, 64, 24, 4, 8192, 3)])
 def test_positions_on_m_lowers_for_cuda(d, dtype, dh, hq, b, s_total, stages):
   """The transposed products (K q^T and V^T p^T from transposed shared-memory
   operands, p^T and the rows stored through the transposed register layout,
-  the max over positions across warps) lower for CUDA at G = 1, 4 and 8."""
+  the max over positions across warps) lower for CUDA at G = 1, 3, 4 and 8
+  (KV heads 8)."""
   module = _cuda_module(d, dtype, dh, hq, b, s_total, positions_on_m=True, stages=stages)
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module and module.count("bra SPIN") == 1
 
