@@ -8,21 +8,19 @@ the global lengths kv_lens [B]; every device returns the attention output
 Phase 1, local partials. Work item (batch, KV head, split): one warpgroup
 streams the split's S / splits positions of K and V through a TMA pipeline,
 keeping the online-softmax state (running max, sum, output; float32) in
-registers. The Hq / Hkv = G query heads of a KV head ride in one 64-row
-`wgmma`: q [B * Hq, Dh] is read in place, in the window of 64 rows that
-starts at the 8-row boundary at or before the group's first (Mosaic GPU's
-TMA wants tile-aligned rows; it zero-fills rows past the end), and every
-K/V byte is read once. Steps past the sequence's end are not loaded; a split
-with no valid position publishes an empty partial (lse = -inf), so every wait
-below completes.
-
-With `positions_on_m` (decode v23) the products are transposed: scores^T =
-K q^T [block_kv, N] and o^T += V^T p^T [Dh, N], the KV positions on the
-`wgmma` M and the group's query window on its N (`query_window`: N = 8 for
-G <= 8), so that a step computes on block_kv x N values instead of 64 x
-block_kv mostly padding rows; the softmax's max over positions is a
-cross-warp reduction, the sum stays per position until the item's end, and
-p^T and the normalized rows are stored transposed.
+registers. The Hq / Hkv = G query heads of a KV head ride in one `wgmma`
+N: q [B * Hq, Dh] is read in place, in a window of N rows (`query_window`:
+8 for G <= 8) that starts at the 8-row boundary at or before the group's
+first (Mosaic GPU's TMA wants tile-aligned rows; it zero-fills rows past the
+end), and every K/V byte is read once. The products put the KV positions on
+the `wgmma` M (`positions_on_m`, decode v23): scores^T = K q^T [block_kv, N]
+and o^T += V^T p^T [Dh, N], from transposed shared-memory operands, so that
+a step computes on block_kv x N values; the softmax's max over positions is
+a cross-warp reduction, the sum stays per position until the item's end, and
+p^T and the normalized rows are stored transposed. (With positions_on_m off,
+q rides in a 64-row window on the M, scores = q K^T [64, block_kv].) Steps
+past the sequence's end are not loaded; a split with no valid position
+publishes an empty partial (lse = -inf), so every wait below completes.
 
 Exchange. The item's Gp rows of the normalized output (in q's dtype, or
 float32 with `narrow_partials` off) from its group's first (G of them its group's,
@@ -137,11 +135,12 @@ class FlashDecodeConfig:
       passing at D = 4 and its config-variant test at D = 2
       (benchmarks/NOTES.md).
     positions_on_m: phase 1 puts the KV positions on the wgmma M and the
-      group's query window on its N (see the module docstring): decode v23,
-      v15 of session 20 rebuilt (lost with its branch; measured then on one
-      H200 at -1.3..1.5 µs at the latency-bound shapes' local share and
-      -22..24% at Dh = 64). Interpreter- and lowering-tested, not yet run on
-      GPUs (`experimental_reason`); off by default.
+      group's query window on its N (see the module docstring) instead of
+      the group in a 64-row window on the M: decode v23 (v15 of session 20,
+      lost with its branch, rebuilt), the default since session 55: on one
+      H200 at D = 1 (the local share of D = 2) 3-8% faster at the
+      latency-bound Dh = 128 shapes, 19-38% at Dh = 64, level at long caches;
+      its GPU tests passing at D = 1 and 2 (benchmarks/NOTES.md).
     one_fence: a block raises an item's semaphores on the D - 1 peers
       behind one system-scope fence (`signals.signal_each`) instead of one
       release per peer (`signals.signal`): in the D = 4 profile (4 H200s,
@@ -163,7 +162,7 @@ class FlashDecodeConfig:
   merge_all: bool = False
   narrow_partials: bool = True
   one_fence: bool = True
-  positions_on_m: bool = False
+  positions_on_m: bool = True
 
   def partial_dtype(self, dtype) -> jnp.dtype:
     """The dtype of the exchanged partial outputs for q's `dtype`."""
@@ -202,14 +201,19 @@ class FlashDecodeConfig:
 
 # The fewest K/V steps (block_kv positions each) per split: see default_config.
 _MIN_SPLIT_STEPS = 8
+# Most K/V bytes in the ring (default_config): on one H200 (session 55), with
+# positions_on_m, a third 64 KB step at Dh = 128 was 0.3-0.8 µs slower than
+# two; at Dh = 64, four 32 KB steps and three were within 0.3 µs either way.
+RING_BYTES = 128 * 1024
 
 
 def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_dim: int,
                    dtype, *, num_sms: int) -> FlashDecodeConfig:
   """One wave of phase-1 items: the most splits (each a whole number of
   steps, at least `_MIN_SPLIT_STEPS` of them) with B * Hkv * splits <= the SM
-  count; the deepest K/V ring (<= 4) that fits; combine columns halved (>= 16)
-  until the merge spreads over at least a quarter of the SMs.
+  count; the deepest K/V ring (<= 4 steps) that fits and holds at most
+  RING_BYTES; combine columns halved (>= 16) until the merge spreads over at
+  least a quarter of the SMs.
 
   The floor on a split's steps: at 1 x 64 / 8 heads over 32768 positions on 4
   H200s (8192 per device, 64 steps), 16 splits of 4 steps took 40.1 µs, 8 of
@@ -226,8 +230,9 @@ def default_config(batch: int, kv_heads: int, q_heads: int, s_shard: int, head_d
   while cols > 16 and tiles * (head_dim // cols) < num_sms // 4:
     cols //= 2
   itemsize = jnp.dtype(dtype).itemsize
-  stages = max([2] + [n for n in (3, 4) if FlashDecodeConfig(
-      block_kv, splits, n, cols).smem_bytes(head_dim, itemsize, q_heads // kv_heads) <= SMEM_BYTES])
+  stages = max([2] + [n for n in (3, 4) if n * 2 * block_kv * head_dim * itemsize <= RING_BYTES
+                      and FlashDecodeConfig(block_kv, splits, n, cols).smem_bytes(
+                          head_dim, itemsize, q_heads // kv_heads) <= SMEM_BYTES])
   return FlashDecodeConfig(block_kv=block_kv, splits=splits, stages=stages, combine_cols=cols)
 
 
@@ -263,6 +268,8 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
 # The axis sizes at which merge_all has passed the GPU tests (4 H100s,
 # session 32; 1-4% faster than one pipeline per source there).
 _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
+# Likewise positions_on_m (2 H200s, session 55).
+_ON_M_GPU_TESTED_AXIS_SIZES = (1, 2)
 
 
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
@@ -272,9 +279,10 @@ def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | N
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
             " decode v19).")
-  if config.positions_on_m:
-    return ("config.positions_on_m is interpreter- and lowering-tested, not yet run on GPUs"
-            " (benchmarks/NOTES.md, decode v23).")
+  if config.positions_on_m and axis_size not in _ON_M_GPU_TESTED_AXIS_SIZES:
+    return (f"config.positions_on_m has passed the GPU tests at D = 1 and 2 (its phase 1"
+            f" does not depend on D); at D = {axis_size} it is interpreter- and"
+            " lowering-tested, not yet run on GPUs (benchmarks/NOTES.md, decode v23).")
   return None
 
 

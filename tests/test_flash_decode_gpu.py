@@ -132,7 +132,8 @@ def test_config_variant_matches_float64_on_every_device_twice(case, field):
   the default since session 34, exchanges the partials in q's dtype; off:
   in float32), one_fence off (v21, the default since session 35, raises
   the peers' signals behind one fence; off: a release per peer) or
-  positions_on_m on (v23: the KV positions on the wgmma M, G = 1, 4, 8, 16);
+  positions_on_m off (v23, the default since session 55, puts the KV
+  positions on the wgmma M; off: q in a 64-row window on the M);
   ragged lengths, every device's output (replicated bit for bit), two calls
   (the second must not see the first one's signals)."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel

@@ -82,10 +82,11 @@ CASES = [
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
      fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
 ]
-# positions_on_m: the same problems with the products transposed (query
-# windows of 8 rows at G = 1, 4 and 8, 16 at G = 12 and 24 at G = 24; group
-# offsets of 0-7 in them; a 3-deep ring; float32 partials; no lengths).
-CASES += [case[:8] + (dataclasses.replace(case[8], positions_on_m=True),)
+# The cases above put the KV positions on the wgmma M (positions_on_m, the
+# default: query windows of 8 rows at G = 1, 4 and 8, 16 at G = 12 and 24 at
+# G = 24; group offsets of 0-7 in them); these take q in a 64-row window on
+# the M instead (a 3-deep ring; float32 partials; no lengths).
+CASES += [case[:8] + (dataclasses.replace(case[8], positions_on_m=False),)
           for case in (CASES[i] for i in (0, 1, 2, 4, 5, 6, 7, 8, 11))]
 
 
@@ -119,7 +120,7 @@ def _own_slots(recv, index, splits):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
                          f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
                          f"{'' if c[8].narrow_partials else '_f32_partials'}"
-                         f"{'_on_m' if c[8].positions_on_m else ''}")
+                         f"{'' if c[8].positions_on_m else '_64_rows'}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
   """Each device computes its partials; given the others' (from their own runs
   through the seam), it merges them into the full attention output, the same
@@ -195,15 +196,18 @@ def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, m
   assert "fence.acq_rel.gpu" not in module
 
 
+@pytest.mark.parametrize("on_m", [True, False])
 @pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,stages", [
     (2, BF16, 128, 32, 32, 8192, 2), (4, BF16, 128, 64, 1, 32768, 2),
     (2, F16, 64, 32, 8, 8192, 3), (4, BF16, 128, 8, 8, 8192, 3), (2, F16, 64, 24, 4, 8192, 3)])
-def test_positions_on_m_lowers_for_cuda(d, dtype, dh, hq, b, s_total, stages):
-  """The transposed products (K q^T and V^T p^T from transposed shared-memory
-  operands, p^T and the rows stored through the transposed register layout,
-  the max over positions across warps) lower for CUDA at G = 1, 3, 4 and 8
-  (KV heads 8)."""
-  module = _cuda_module(d, dtype, dh, hq, b, s_total, positions_on_m=True, stages=stages)
+def test_both_product_layouts_lower_for_cuda(d, dtype, dh, hq, b, s_total, stages, on_m):
+  """The transposed products (positions_on_m: K q^T and V^T p^T from
+  transposed shared-memory operands, p^T and the rows stored through the
+  transposed register layout, the max over positions across warps) and the
+  64-row window's lower for CUDA at G = 1, 3, 4 and 8 (KV heads 8)."""
+  if not on_m and stages > 2 and dh == 128:
+    stages = 2  # the 64-row window's q and P tiles leave room for two 64 KB steps
+  module = _cuda_module(d, dtype, dh, hq, b, s_total, positions_on_m=on_m, stages=stages)
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module and module.count("bra SPIN") == 1
 
 
@@ -321,7 +325,7 @@ def test_query_windows_hold_a_group_from_any_offset():
       offset = first % 8
       assert offset + g <= window <= fd.ROWS and offset + fd.padded_group(g) <= rows, (g, first)
     assert window % 8 == 0 and rows % 8 == 0 and rows <= window + 8
-  assert fd.staging_rows(4, fd.FlashDecodeConfig()) == fd.ROWS
+  assert fd.staging_rows(4, fd.FlashDecodeConfig(positions_on_m=False)) == fd.ROWS
 
 
 def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
@@ -335,21 +339,22 @@ def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
 
 @pytest.mark.parametrize("d", [2, 3, 4, 8])
 def test_experimental_configs_are_named(d):
-  """The default config is not experimental, with partials in q's dtype or
-  in float32 (narrow_partials: GPU-tested at D = 2 and 4, and nothing in it
+  """The default config puts the KV positions on the M (positions_on_m:
+  GPU-tested at D = 1 and 2, experimental elsewhere until run there). The
+  64-row window is experimental nowhere, with partials in q's dtype or in
+  float32 (narrow_partials: GPU-tested at D = 2 and 4, and nothing in it
   depends on D), with one fence or a release per peer (one_fence:
   GPU-tested at D = 2 and 4); merge_all is everywhere but at D = 4
   (GPU-tested there)."""
-  config = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
+  default = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
+  assert default.positions_on_m and default.narrow_partials and default.one_fence
+  on_m = fd.experimental_reason(default, axis_size=d)
+  assert (on_m is None) == (d == 2) and (on_m is None or "positions_on_m" in on_m), on_m
+  config = dataclasses.replace(default, positions_on_m=False)
   assert fd.experimental_reason(config, axis_size=d) is None
   merge_all = fd.experimental_reason(dataclasses.replace(config, merge_all=True), axis_size=d)
   assert (merge_all is None) == (d == 4), merge_all
-  assert config.narrow_partials
   assert fd.experimental_reason(dataclasses.replace(config, narrow_partials=False),
                                 axis_size=d) is None
-  assert config.one_fence
   assert fd.experimental_reason(dataclasses.replace(config, one_fence=False),
                                 axis_size=d) is None
-  assert not config.positions_on_m
-  assert "positions_on_m" in fd.experimental_reason(
-      dataclasses.replace(config, positions_on_m=True), axis_size=d)
