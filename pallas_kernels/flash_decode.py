@@ -6,11 +6,9 @@ the global lengths kv_lens [B]; every device returns the attention output
 [B, Hq, Dh] over the whole cache.
 
 Phase 1, local partials. Work item (batch, KV head, split): one warpgroup
-streams the split's S / splits positions of K and V through a ring of TMA
-loads that runs across the block's items (decode v24: the next item's first
-steps load under this one's last steps, its normalization and its delivery;
-q double-buffered), keeping the online-softmax state (running max, sum,
-output; float32) in registers. The Hq / Hkv = G query heads of a KV head ride in one `wgmma`
+streams the split's S / splits positions of K and V through a TMA pipeline,
+keeping the online-softmax state (running max, sum, output; float32) in
+registers. The Hq / Hkv = G query heads of a KV head ride in one `wgmma`
 N: q [B * Hq, Dh] is read in place, in a window of N rows (`query_window`:
 8 for G <= 8) that starts at the 8-row boundary at or before the group's
 first (Mosaic GPU's TMA wants tile-aligned rows; it zero-fills rows past the
@@ -175,7 +173,7 @@ class FlashDecodeConfig:
     other), for groups of `heads` = Hq / Hkv query heads."""
     ring = self.stages * 2 * self.block_kv * head_dim * itemsize
     window = query_window(heads) if self.positions_on_m else ROWS
-    tiles = window * (2 * head_dim + self.block_kv) * itemsize  # q's two buffers, P
+    tiles = window * (head_dim + self.block_kv) * itemsize  # q, P
     rows = staging_rows(heads, self)
     staging = rows * head_dim * self._partial_itemsize(itemsize) + (LSE_PAD + rows) * 4  # o, lse
     return max(ring + tiles + staging, self._merge_bytes(*self.merge_ring(itemsize), itemsize))
@@ -467,66 +465,15 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       start = bh * heads // 8 * 8
       return start, bh * heads - start
 
-    def block_item(j):
-      """The block's item j (< its count): (group bh, split, batch, KV head,
-      first local position, valid length)."""
-      item = jnp.minimum(sm + j * grid, items - 1)  # clamped: never read past kv_lens
-      bh, split = item // splits, lax.rem(item, splits)
-      batch, head = bh // hkv, lax.rem(bh, hkv)
-      start = split * chunk
-      length = (chunk if kv_lens is None
-                else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk))
-      return bh, split, batch, head, start, length
-
-    class Ring:
-      """The block's K/V ring: `stages` slots of one step's K and V, filled in
-      the order the block's items consume them, across items (the next
-      item's first steps load under this one's last, its normalization and
-      its delivery). The cursor (item j, step t) is the next step to load; j
-      = the block's item count once all are issued."""
-
-      def __init__(self, count, k_slots, v_slots, loaded):
-        self.count, self.k, self.v, self.loaded = count, k_slots, v_slots, loaded
-
-      def steps(self, j):
-        return jnp.where(j < self.count, pl.cdiv(block_item(j)[5], config.block_kv), 0)
-
-      def advance(self, cursor):
-        """The step to load after `cursor`: its next, else the first of the
-        next item with any (items past a sequence's end have none)."""
-        j, t = cursor
-        return lax.while_loop(lambda c: (c[0] < self.count) & (c[1] >= self.steps(c[0])),
-                              lambda c: (c[0] + 1, jnp.int32(0)), (j, t + 1))
-
-      def load_next(self, cursor, slot):
-        """Issues the load of `cursor` into `slot`, if any is left; returns the next cursor."""
-        @pl.when(cursor[0] < self.count)
-        def _():
-          _, _, batch, head, start, _ = block_item(cursor[0])
-          rows = pl.ds(start + cursor[1] * config.block_kv, config.block_kv)
-          plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], self.k.at[slot],
-                                  self.loaded.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head], self.v.at[slot],
-                                  self.loaded.at[slot])
-        return self.advance(cursor)
-
-    def load_q(j, q_smem, q_loaded):
-      """Item j's window of q into buffer j % 2 (rows past q's end read as zeros)."""
-      window_start, _ = q_window(block_item(j)[0])
-      buf = lax.rem(j, 2)
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, window)], q_smem.at[buf],
-                              q_loaded.at[buf])
-
     @jax.named_scope("attend")
-    def attend(j, ring, cursor, slot, q_smem, q_loaded, p_smem, o_smem, lse_smem):
-      """Phase 1: the block's item j, the partial of its group over its
-      split's valid positions, step by step from the ring's slots from
-      `slot` on, each slot taking the load at `cursor` once read; then
-      `deliver`s it. Returns (cursor, slot) for the next item."""
-      bh, split, _, _, _, length = block_item(j)
-      _, offset = q_window(bh)
+    def attend(bh, split, kv, length, first, prev, q_smem, q_loaded, p_smem, o_smem, lse_smem):
+      """Phase 1: group bh's partial over the K/V of `kv` = (k, v, index
+      map: [block_kv, Dh] block of pipeline step i), whose first `length`
+      positions are valid, into slot `split`; then `deliver`s it."""
+      window_start, offset = q_window(bh)
+      # Rows past q's end read as zeros.
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, window)], q_smem, q_loaded)
       steps = pl.cdiv(length, config.block_kv)
-      q_item, q_landed = q_smem.at[lax.rem(j, 2)], q_loaded.at[lax.rem(j, 2)]
       # The KV positions' axis of the scores, and the query rows' axis.
       pos_axis, q_axis = (0, 1) if on_m else (1, 0)
       bcast = lambda x, like: lax.broadcast_in_dim(x, like.shape, [q_axis])
@@ -537,19 +484,17 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           return acc[...]
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-      def step(t, carry):
-        acc, m, l, cursor, slot = carry
-        plgpu.barrier_wait(ring.loaded.at[slot])
-        # q lands while the item's first K/V loads are in flight.
-        pl.when(t == 0)(lambda: plgpu.barrier_wait(q_landed))
-        k_smem, v_smem = ring.k.at[slot], ring.v.at[slot]
+      def step(idxs, k_smem, v_smem, carry):
+        # q lands while the pipeline's first K/V loads are in flight.
+        pl.when(idxs[0] == 0)(lambda: plgpu.barrier_wait(q_loaded))
+        acc, m, l = carry
         if on_m:  # scores^T = K q^T [block_kv, N]
-          scores = matmul(k_smem, q_item.T, (config.block_kv, window))
+          scores = matmul(k_smem, q_smem.T, (config.block_kv, window))
         else:  # scores = q K^T [ROWS, block_kv]
-          scores = matmul(q_item, k_smem.T, (ROWS, config.block_kv))
+          scores = matmul(q_smem, k_smem.T, (ROWS, config.block_kv))
         scores = scores * scale
         if kv_lens is not None:
-          pos = t * config.block_kv + plgpu.broadcasted_iota(
+          pos = idxs[0] * config.block_kv + plgpu.broadcasted_iota(
               jnp.int32, scores.shape, pos_axis, layout=plgpu.Layout.WGMMA)
           scores = jnp.where(pos < length, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=pos_axis))
@@ -566,19 +511,21 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           plgpu.commit_smem()
           pv = matmul(p_smem, v_smem, (ROWS, dh))
           l = l * alpha + p.sum(axis=1)
-        # Both products have read the slot: it takes the next load.
-        cursor = ring.load_next(cursor, slot)
-        return acc * bcast(alpha, acc) + pv, m_new, l, cursor, lax.rem(slot + 1, config.stages)
+        return acc * bcast(alpha, acc) + pv, m_new, l
 
+      k_view, v_view, index_map = kv
+      spec = plgpu.BlockSpec((config.block_kv, dh), index_map, transforms=swizzled)
       rows_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
       zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-      acc, m, l, cursor, slot = lax.fori_loop(0, steps, step, (
-          (zeros((dh, window)) if on_m else zeros((ROWS, dh))),
-          plgpu.layout_cast(jnp.full((window,), -jnp.inf, jnp.float32), rows_layout),
-          (zeros((config.block_kv, window)) if on_m
-           else plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout)),
-          cursor, slot))
-      pl.when(steps == 0)(lambda: plgpu.barrier_wait(q_landed))  # keep the barrier's phase
+      acc, m, l = plgpu.emit_pipeline(
+          step, grid=(steps,), in_specs=[spec, spec],
+          max_concurrent_steps=config.stages,
+          init_carry=((zeros((dh, window)) if on_m else zeros((ROWS, dh))),
+                      plgpu.layout_cast(jnp.full((window,), -jnp.inf, jnp.float32), rows_layout),
+                      (zeros((config.block_kv, window)) if on_m
+                       else plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))),
+      )(k_view, v_view)
+      pl.when(steps == 0)(lambda: plgpu.barrier_wait(q_loaded))  # keep the barrier's phase
 
       if on_m:
         l = l.sum(axis=0)
@@ -601,9 +548,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       # The group's first log-sum-exp lands at LSE_PAD.
       lse_smem.at[pl.ds(LSE_PAD - offset, window)][...] = lse
       plgpu.commit_smem()
-      prev = (sm + (j - 1) * grid) // splits  # the block's previous item's group
-      deliver(o_smem, lse_smem, offset, bh, me * splits + split, j == 0, prev)
-      return cursor, slot
+      deliver(o_smem, lse_smem, offset, bh, me * splits + split, first, prev)
 
     def publish(bh):
       """Raises group bh's merge-tile semaphore on every peer (with
@@ -720,34 +665,35 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * group, heads)],
                                   out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
 
-    def phase1(q_smem, q_loaded, k_slots, v_slots, kv_loaded, *scratch):
-      """The block's items sm, sm + grid, ... (its count: `count`)."""
-      count = jnp.maximum(pl.cdiv(items - sm, grid), 0)
-      ring = Ring(count, k_slots, v_slots, kv_loaded)
-      cursor = ring.advance((jnp.int32(0), jnp.int32(-1)))
-      for slot in range(config.stages):
-        cursor = ring.load_next(cursor, slot)
-      pl.when(count > 0)(lambda: load_q(0, q_smem, q_loaded))
+    def whole_items(*scratch):
+      """Items (batch, KV head, split) sm, sm + grid, ...; returns (whether
+      the block had one, the last one's group)."""
+      @pl.loop(sm, items, step=grid)
+      def _(item):
+        bh, split = item // splits, lax.rem(item, splits)
+        batch, head = bh // hkv, lax.rem(bh, hkv)
+        start = split * chunk
+        length = (chunk if kv_lens is None
+                  else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk))
+        kv = (k_ref.at[batch, pl.ds(start, chunk), head],
+              v_ref.at[batch, pl.ds(start, chunk), head], lambda i: (i, 0))
+        attend(bh, split, kv, length, item < grid, (item - grid) // splits, *scratch)
 
-      def item(j, carry):
-        pl.when(j + 1 < count)(lambda: load_q(j + 1, q_smem, q_loaded))
-        return attend(j, ring, *carry, q_smem, q_loaded, *scratch)
+      return sm < items, (sm + (items - 1 - sm) // grid * grid) // splits
 
-      lax.fori_loop(0, count, item, (cursor, jnp.int32(0)))
+    def phase1(*scratch):
+      delivered, last = whole_items(*scratch)
       if remote:
-        @pl.when(count > 0)
+        @pl.when(delivered)
         @jax.named_scope("publish")
         def _():  # the block's last delivery
           with jax.named_scope("stores_land"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          publish((sm + (count - 1) * grid) // splits)
+          publish(last)
 
-    kv_slots = plgpu.SMEM((config.stages, config.block_kv, dh), dtype, transforms=swizzled)
     pl.run_scoped(phase1,
-                  plgpu.SMEM((2, window, dh), dtype, transforms=swizzled),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=2),
-                  kv_slots, kv_slots,
-                  plgpu.Barrier(num_arrivals=2, num_barriers=config.stages),
+                  plgpu.SMEM((window, dh), dtype, transforms=swizzled),
+                  plgpu.Barrier(num_arrivals=1),
                   plgpu.SMEM((window, config.block_kv), dtype, transforms=swizzled),
                   plgpu.SMEM((staging, dh), config.partial_dtype(dtype)),
                   plgpu.SMEM((LSE_PAD + staging,), jnp.float32))
