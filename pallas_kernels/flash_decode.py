@@ -414,18 +414,20 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
 
     @jax.named_scope("deliver")
-    def deliver(o_smem, lse_smem, offset, bh, slot, first, prev):
+    def deliver(o_smem, lse_smem, offset, bh, slot, first, last, prev):
       """Stores group bh's rows, from row `offset` of the staging tile (and
       LSE_PAD of the log-sum-exps' vector), into
       this device's receive buffers and raises the merge tile's semaphore for
       this source here once they have landed; then (unless this is the
-      block's `first` delivery) raises the peers' semaphores for the block's
-      previous one, of group `prev` (its stores there have long landed), and
-      stores these rows into the peers, whose semaphores `publish` raises at
-      the block's next delivery or after its last: none waits for a remote
-      round trip before the next one starts, and the local signal does not
-      wait for the remote stores. The seam: after the own rows, the peers'
-      rows from `received`."""
+      block's `first` or `last` delivery) raises the peers' semaphores for
+      the block's previous one, of group `prev` (its stores there have long
+      landed), and stores these rows into the peers, whose semaphores
+      `publish` raises at the block's next delivery or after its last: none
+      waits for a remote round trip before the next one starts, and the
+      local signal does not wait for the remote stores. The last delivery's
+      stores into the peers go out first; the previous one's semaphores rise
+      with its own after them, behind one fence (decode v25). The seam:
+      after the own rows, the peers' rows from `received`."""
       dst = pl.ds(bh * group, group)
 
       def store(o_to, lse_to):
@@ -437,7 +439,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       if exchange:
         signals.signal(ready.at[bh // per_tile, me])
         if remote:
-          pl.when(jnp.logical_not(first))(lambda: publish(prev))
+          pl.when(jnp.logical_not(first | last))(lambda: publish(prev))
           with jax.named_scope("wait_entry"):  # before the block's first store into a peer
             pl.when(first)(peers_in.wait)
           for dev in peers:
@@ -466,7 +468,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       return start, bh * heads - start
 
     @jax.named_scope("attend")
-    def attend(bh, split, kv, length, first, prev, q_smem, q_loaded, p_smem, o_smem, lse_smem):
+    def attend(bh, split, kv, length, first, last, prev, q_smem, q_loaded, p_smem, o_smem,
+               lse_smem):
       """Phase 1: group bh's partial over the K/V of `kv` = (k, v, index
       map: [block_kv, Dh] block of pipeline step i), whose first `length`
       positions are valid, into slot `split`; then `deliver`s it."""
@@ -548,18 +551,19 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       # The group's first log-sum-exp lands at LSE_PAD.
       lse_smem.at[pl.ds(LSE_PAD - offset, window)][...] = lse
       plgpu.commit_smem()
-      deliver(o_smem, lse_smem, offset, bh, me * splits + split, first, prev)
+      deliver(o_smem, lse_smem, offset, bh, me * splits + split, first, last, prev)
 
-    def publish(bh):
-      """Raises group bh's merge-tile semaphore on every peer (with
-      config.one_fence behind one fence); the block's last stores of it
-      there have landed."""
-      sem = lambda dev: plgpu.remote_ref(ready.at[bh // per_tile, me], {axis_name: dev})
+    def publish(*bhs):
+      """Raises the merge-tile semaphores of groups `bhs` on every peer (with
+      config.one_fence behind one fence); the block's stores of them there
+      have landed."""
+      sems = [plgpu.remote_ref(ready.at[bh // per_tile, me], {axis_name: dev})
+              for bh in bhs for dev in peers]
       if config.one_fence:
-        signals.signal_each([sem(dev) for dev in peers], "sys")
+        signals.signal_each(sems, "sys")
         return
-      for dev in peers:
-        signals.signal(sem(dev), "sys")
+      for sem in sems:
+        signals.signal(sem, "sys")
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged
@@ -666,8 +670,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                                   out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
 
     def whole_items(*scratch):
-      """Items (batch, KV head, split) sm, sm + grid, ...; returns (whether
-      the block had one, the last one's group)."""
+      """Items (batch, KV head, split) sm, sm + grid, ...; returns the last
+      one (items - 1 or more if the block had none)."""
       @pl.loop(sm, items, step=grid)
       def _(item):
         bh, split = item // splits, lax.rem(item, splits)
@@ -677,19 +681,21 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                   else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk))
         kv = (k_ref.at[batch, pl.ds(start, chunk), head],
               v_ref.at[batch, pl.ds(start, chunk), head], lambda i: (i, 0))
-        attend(bh, split, kv, length, item < grid, (item - grid) // splits, *scratch)
+        attend(bh, split, kv, length, item < grid, item + grid >= items,
+               (item - grid) // splits, *scratch)
 
-      return sm < items, (sm + (items - 1 - sm) // grid * grid) // splits
+      return sm + (items - 1 - sm) // grid * grid
 
     def phase1(*scratch):
-      delivered, last = whole_items(*scratch)
+      last = whole_items(*scratch)
       if remote:
-        @pl.when(delivered)
+        @pl.when(sm < items)
         @jax.named_scope("publish")
-        def _():  # the block's last delivery
+        def _():  # the block's last delivery, and its previous one's
           with jax.named_scope("stores_land"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          publish(last)
+          pl.when(last < grid)(lambda: publish(last // splits))
+          pl.when(last >= grid)(lambda: publish((last - grid) // splits, last // splits))
 
     pl.run_scoped(phase1,
                   plgpu.SMEM((window, dh), dtype, transforms=swizzled),
