@@ -269,6 +269,16 @@ def test_default_config_keeps_8_steps_per_split(d, splits):
   assert config.splits == splits, config
 
 
+@pytest.mark.parametrize("dh,stages", [(128, 2), (64, 4)])
+def test_default_ring_holds_at_most_ring_bytes(dh, stages):
+  """The deepest ring of at most RING_BYTES: two 64 KB steps at Dh = 128 (a
+  third fits in shared memory with positions_on_m, and was slower), four at
+  Dh = 64."""
+  config = fd.default_config(32, 8, 32, 2048, dh, BF16, num_sms=132)
+  assert config.positions_on_m and config.stages == stages
+  assert dataclasses.replace(config, stages=3).smem_bytes(dh, 2, 4) <= fd.SMEM_BYTES
+
+
 @pytest.mark.parametrize("args,match", [
     ((2, 8, 2, 128, 512, jnp.float32), "bf16 and fp16"),
     ((2, 8, 2, 96, 512, BF16), "head dims"),
