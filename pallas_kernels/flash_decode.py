@@ -32,12 +32,17 @@ TMA-stored into every device's receive
 buffers, recv_o [D * splits, R, Dh] and recv_lse [D * splits, R], at row
 (b * Hkv + h) * Gp of slot me * splits + split, and the semaphore of (its
 merge tile, this source device) is raised on each device once the rows have
-landed there: here at once, before the stores into the peers are issued (a
-release fence after them would wait for them), on the peers while the block
-runs its next item (or after its last), so that no item waits for a remote
-round trip before the next one starts (see `signals.signal`; the peers'
-semaphores behind one system-scope fence, `signals.signal_each`, with
-`one_fence`). A merge tile is 64 // Gp
+landed there. Here at once, before the stores into the peers are issued (a
+release fence after them would wait for them). Into the peers, an item's
+rows but the block's last stay in the staging tiles until the block's next
+item has its first K/V loads in flight, which then issues the stores (decode
+v26: issued between the items, the first remote stores held the block ~1-2
+µs); the next delivery, having awaited them, raises their semaphores there.
+So no item waits for a remote round trip before the next one starts. The
+block's last item stores into the peers first, then here, and raises its
+semaphores everywhere (with the previous item's on the peers) once all have
+landed (see `signals`: one system-scope fence with `one_fence`, the
+default). A merge tile is 64 // Gp
 consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
@@ -268,8 +273,10 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
 # The axis sizes at which merge_all has passed the GPU tests (4 H100s,
 # session 32; 1-4% faster than one pipeline per source there).
 _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
-# Likewise positions_on_m (2 H200s, session 55).
-_ON_M_GPU_TESTED_AXIS_SIZES = (1, 2)
+# Likewise the kernel since decode v26 (a block's stores into its peers under
+# its next item's first loads, every config) and positions_on_m (v23, the
+# default): 2 H200s, sessions 55-56.
+_GPU_TESTED_AXIS_SIZES = (1, 2)
 
 
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
@@ -279,10 +286,12 @@ def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | N
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
             " decode v19).")
-  if config.positions_on_m and axis_size not in _ON_M_GPU_TESTED_AXIS_SIZES:
-    return (f"config.positions_on_m has passed the GPU tests at D = 1 and 2 (its phase 1"
-            f" does not depend on D); at D = {axis_size} it is interpreter- and"
-            " lowering-tested, not yet run on GPUs (benchmarks/NOTES.md, decode v23).")
+  if axis_size not in _GPU_TESTED_AXIS_SIZES:
+    what = ("config.positions_on_m (decode v23) and decode v26's peer stores under a block's"
+            " next item have" if config.positions_on_m else
+            "decode v26's peer stores under a block's next item have")
+    return (f"{what} passed the GPU tests at D = 1 and 2; at D = {axis_size} they are"
+            " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md).")
   return None
 
 
@@ -413,38 +422,68 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
     sm = lax.axis_index("sm")
     peers = [lax.rem(me + offset, d) for offset in range(1, d)] if remote else []
 
+    def send_peers(o_smem, lse_smem, item):
+      """Stores item's Gp rows from the staging tiles (and its log-sum-exps)
+      into every peer's receive buffers; the block's first store into a peer
+      waits for the peers to have entered."""
+      bh = item // splits
+      rows, slot, offset = pl.ds(bh * group, group), me * splits + lax.rem(item, splits), q_window(bh)[1]
+      with jax.named_scope("wait_entry"):
+        pl.when(item < grid)(peers_in.wait)
+      for dev in peers:
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)],
+                                plgpu.remote_ref(recv_o, {axis_name: dev}).at[slot, rows])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(LSE_PAD, group)],
+                                plgpu.remote_ref(recv_lse, {axis_name: dev}).at[slot, rows])
+
     @jax.named_scope("deliver")
-    def deliver(o_smem, lse_smem, offset, bh, slot, first, last, prev):
-      """Stores group bh's rows, from row `offset` of the staging tile (and
-      LSE_PAD of the log-sum-exps' vector), into
-      this device's receive buffers and raises the merge tile's semaphore for
-      this source here once they have landed; then (unless this is the
-      block's `first` or `last` delivery) raises the peers' semaphores for
-      the block's previous one, of group `prev` (its stores there have long
-      landed), and stores these rows into the peers, whose semaphores
-      `publish` raises at the block's next delivery or after its last: none
-      waits for a remote round trip before the next one starts, and the
-      local signal does not wait for the remote stores. The last delivery's
-      stores into the peers go out first; the previous one's semaphores rise
-      with its own after them, behind one fence (decode v25). The seam:
-      after the own rows, the peers' rows from `received`."""
+    def deliver(o_smem, lse_smem, item, last):
+      """Stores item's rows, from its group's offset in the staging tile (and
+      LSE_PAD of the log-sum-exps' vector), into this device's receive
+      buffers and raises the merge tile's semaphore for this source here
+      once they have landed. Over peers, a block's items but its last leave
+      their rows in the staging tiles for the next item to `send_peers`
+      under its first K/V loads (decode v26); this delivery raises the
+      peers' semaphores for the previous item, whose stores there it has
+      awaited: no item waits for a remote round trip before the next one
+      starts. The last delivery stores into the peers first, then here, and
+      raises its semaphores (and the previous item's on the peers) behind
+      one fence once all have landed. The seam: after the own rows, the
+      peers' rows from `received`."""
+      bh, first = item // splits, item < grid
+      offset = q_window(bh)[1]
+      slot = me * splits + lax.rem(item, splits)
       dst = pl.ds(bh * group, group)
 
-      def store(o_to, lse_to):
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], o_to.at[slot, dst])
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(LSE_PAD, group)], lse_to.at[slot, dst])
+      def store_here():
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], recv_o.at[slot, dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(LSE_PAD, group)], recv_lse.at[slot, dst])
 
-      store(recv_o, recv_lse)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      if exchange:
-        signals.signal(ready.at[bh // per_tile, me])
-        if remote:
-          pl.when(jnp.logical_not(first | last))(lambda: publish(prev))
-          with jax.named_scope("wait_entry"):  # before the block's first store into a peer
-            pl.when(first)(peers_in.wait)
-          for dev in peers:
-            store(plgpu.remote_ref(recv_o, {axis_name: dev}),
-                  plgpu.remote_ref(recv_lse, {axis_name: dev}))
+      if not remote:
+        store_here()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        if exchange:
+          signals.signal(ready.at[bh // per_tile, me])
+          return
+      else:
+        local, prev = ready.at[bh // per_tile, me], (item - grid) // splits
+
+        @pl.when(~last)
+        def _():
+          store_here()
+          plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          signals.signal(local)
+          pl.when(~first)(lambda: publish(prev))
+
+        @pl.when(last)
+        @jax.named_scope("publish")
+        def _():
+          send_peers(o_smem, lse_smem, item)
+          store_here()
+          with jax.named_scope("stores_land"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+          pl.when(first)(lambda: publish(bh, local=local))
+          pl.when(~first)(lambda: publish(prev, bh, local=local))
         return
 
       def relay(peer, loaded):  # the seam: what peer `peer` would have stored
@@ -468,12 +507,17 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       return start, bh * heads - start
 
     @jax.named_scope("attend")
-    def attend(bh, split, kv, length, first, last, prev, q_smem, q_loaded, p_smem, o_smem,
-               lse_smem):
-      """Phase 1: group bh's partial over the K/V of `kv` = (k, v, index
-      map: [block_kv, Dh] block of pipeline step i), whose first `length`
-      positions are valid, into slot `split`; then `deliver`s it."""
+    def attend(item, kv, length, last, q_smem, q_loaded, p_smem, o_smem, lse_smem):
+      """Phase 1: item (group bh, split)'s partial over the K/V of `kv` = (k,
+      v, index map: [block_kv, Dh] block of pipeline step i), whose first
+      `length` positions are valid; then `deliver`s it. Over peers, the
+      block's previous item's rows go to them once this item's first K/V
+      loads are in flight."""
+      bh = item // splits
       window_start, offset = q_window(bh)
+      if remote:
+        sends_previous = lambda: send_peers(o_smem, lse_smem, item - grid)
+        previous = item >= grid  # the block has a previous item
       # Rows past q's end read as zeros.
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(window_start, window)], q_smem, q_loaded)
       steps = pl.cdiv(length, config.block_kv)
@@ -488,6 +532,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
       def step(idxs, k_smem, v_smem, carry):
+        if remote:
+          pl.when(previous & (idxs[0] == 0))(sends_previous)
         # q lands while the pipeline's first K/V loads are in flight.
         pl.when(idxs[0] == 0)(lambda: plgpu.barrier_wait(q_loaded))
         acc, m, l = carry
@@ -529,6 +575,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                        else plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))),
       )(k_view, v_view)
       pl.when(steps == 0)(lambda: plgpu.barrier_wait(q_loaded))  # keep the barrier's phase
+      if remote:
+        pl.when(previous & (steps == 0))(sends_previous)
 
       if on_m:
         l = l.sum(axis=0)
@@ -551,19 +599,15 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       # The group's first log-sum-exp lands at LSE_PAD.
       lse_smem.at[pl.ds(LSE_PAD - offset, window)][...] = lse
       plgpu.commit_smem()
-      deliver(o_smem, lse_smem, offset, bh, me * splits + split, first, last, prev)
+      deliver(o_smem, lse_smem, item, last)
 
-    def publish(*bhs):
-      """Raises the merge-tile semaphores of groups `bhs` on every peer (with
-      config.one_fence behind one fence); the block's stores of them there
-      have landed."""
+    def publish(*bhs, local=None):
+      """Raises the merge-tile semaphores of groups `bhs` on every peer, and
+      this device's `local` semaphore if given (with config.one_fence behind
+      one fence); the block's stores of them have landed."""
       sems = [plgpu.remote_ref(ready.at[bh // per_tile, me], {axis_name: dev})
               for bh in bhs for dev in peers]
-      if config.one_fence:
-        signals.signal_each(sems, "sys")
-        return
-      for sem in sems:
-        signals.signal(sem, "sys")
+      signals.signal_devices(sems, local=local, one_fence=config.one_fence)
 
     def combine(a, b):
       """Two partial states (acc [ROWS, cols], max [ROWS], sum [ROWS]) merged
@@ -670,8 +714,7 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                                   out_ref.at[pl.ds(first_row + i * heads, heads), tile_cols])
 
     def whole_items(*scratch):
-      """Items (batch, KV head, split) sm, sm + grid, ...; returns the last
-      one (items - 1 or more if the block had none)."""
+      """Phase 1: items (batch, KV head, split) sm, sm + grid, ..."""
       @pl.loop(sm, items, step=grid)
       def _(item):
         bh, split = item // splits, lax.rem(item, splits)
@@ -681,23 +724,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                   else jnp.clip(lens_ref[batch] - me * s - start, 0, chunk))
         kv = (k_ref.at[batch, pl.ds(start, chunk), head],
               v_ref.at[batch, pl.ds(start, chunk), head], lambda i: (i, 0))
-        attend(bh, split, kv, length, item < grid, item + grid >= items,
-               (item - grid) // splits, *scratch)
+        attend(item, kv, length, item + grid >= items, *scratch)
 
-      return sm + (items - 1 - sm) // grid * grid
-
-    def phase1(*scratch):
-      last = whole_items(*scratch)
-      if remote:
-        @pl.when(sm < items)
-        @jax.named_scope("publish")
-        def _():  # the block's last delivery, and its previous one's
-          with jax.named_scope("stores_land"):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-          pl.when(last < grid)(lambda: publish(last // splits))
-          pl.when(last >= grid)(lambda: publish((last - grid) // splits, last // splits))
-
-    pl.run_scoped(phase1,
+    pl.run_scoped(whole_items,
                   plgpu.SMEM((window, dh), dtype, transforms=swizzled),
                   plgpu.Barrier(num_arrivals=1),
                   plgpu.SMEM((window, config.block_kv), dtype, transforms=swizzled),

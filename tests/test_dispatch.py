@@ -473,9 +473,9 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
 
 def test_explain_marks_an_experimental_decode_config(monkeypatch):
   """flash_decode's merge_all (decode v19, GPU-tested at D = 4 only) runs
-  when passed, and `explain` says it is experimental at D = 2, not at D = 4
-  (with the 64-row window: positions_on_m, the default, is GPU-tested at D
-  = 1 and 2 only, and says so at D = 4); the default carries no caveat at
+  when passed, and `explain` says it is experimental at D = 2; at D = 4 the
+  kernel since decode v26 is (GPU-tested at D = 1 and 2 only), and with the
+  default's positions_on_m says so too; the default carries no caveat at
   D = 2."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
   _as_on_hopper(monkeypatch)
@@ -489,7 +489,8 @@ def test_explain_marks_an_experimental_decode_config(monkeypatch):
   tested = jax_overlap.explain_flash_decode(
       *args, axis_size=4, impl="pallas",
       config=dataclasses.replace(default, merge_all=True, positions_on_m=False))
-  assert (tested.impl, tested.caveat) == ("pallas", None)
+  assert tested.impl == "pallas" and "decode v26" in tested.caveat
+  assert "merge_all" not in tested.caveat and "positions_on_m" not in tested.caveat
   on_m = jax_overlap.explain_flash_decode(*args, axis_size=4, impl="pallas", config=default)
-  assert on_m.impl == "pallas" and "positions_on_m has passed the GPU tests at D = 1 and 2" in (
-      on_m.caveat)
+  assert on_m.impl == "pallas" and "positions_on_m (decode v23) and decode v26" in on_m.caveat
+  assert "passed the GPU tests at D = 1 and 2" in on_m.caveat
