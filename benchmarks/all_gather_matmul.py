@@ -149,9 +149,12 @@ def _gemm_alone(mesh, inputs: cases.Operands) -> runner.Built:
                       (_pregathered(mesh, inputs), inputs.w))
 
 
-def pallas_core(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands) -> runner.Built:
+def pallas_core(shape: shapes.AllGatherMatmulShape, mesh, inputs: cases.Operands,
+                config=None) -> runner.Built:
+  """Our kernel on the pre-gathered x: its GEMM core without the exchange,
+  on `config` (None: `fused_config`)."""
   cases.require_hopper("our kernel")
-  config = fused_config(shape, mesh)
+  config = config or fused_config(shape, mesh)
 
   def body(gathered, w):
     out, _ = ag_kernel.all_gather_matmul(

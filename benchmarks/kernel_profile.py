@@ -97,6 +97,10 @@ _BY_POSITION = flags.DEFINE_list(
     "by_position", ["tile", "epilogue", "local_tile", "remote_tile", "attend"],
     "Scopes whose median duration is also printed by position in a warpgroup (1st span, 2nd,"
     " ...).")
+_AG_TILES = flags.DEFINE_list(
+    "ag_tiles", [], "GemmTiles field=value overrides (e.g. stages=3) for every all_gather_matmul"
+    " kernel profiled: the profiler's buffer takes a few hundred bytes of shared memory, which"
+    " the largest configs (4 stages of 128 x 256 CTA tiles) do not have to spare.")
 _PROFILE_SPACE = flags.DEFINE_integer(
     "profile_space", 48, "Events recorded per warpgroup (begin and end count one each): enough"
     " for a few scopes per tile or item; raise it for blocks with many tiles (events past it"
@@ -208,21 +212,36 @@ def summarize(trace: dict) -> tuple[float, list[ScopeStats]]:
   return span, stats
 
 
+def _overrides(fields: list[str]) -> dict[str, int]:
+  """["stages=3", ...] -> {"stages": 3, ...}."""
+  out = {}
+  for field in fields:
+    name, sep, value = field.partition("=")
+    if not name or not sep or not value.isdigit():
+      raise ValueError(f"--ag_tiles takes field=integer items, got {field!r}")
+    out[name] = int(value)
+  return out
+
+
 def _kernels(op: str, dims: tuple[int, ...]):
   """{label: (jitted fn, args)}: the fused kernel and its counterpart."""
   mesh = spmd.mesh()
   if op == "all_gather_matmul":
     shape = shapes.AllGatherMatmulShape(*dims)
     inputs = ag_bench.setup(shape, mesh)
-    core = ag_bench.pallas_core(shape, mesh, inputs)
     args = (inputs.x, inputs.w)
     config = ag_bench.fused_config(shape, mesh)
+    if _AG_TILES.value:
+      config = dataclasses.replace(config, tiles=dataclasses.replace(
+          config.tiles, **_overrides(_AG_TILES.value)))
+      print(f"all_gather_matmul kernels profiled on tiles {config.tiles}")
+    core = ag_bench.pallas_core(shape, mesh, inputs, config)
     variants = {} if config.send == "push" else {
         **{f"fused, forwarders={f}": dict(forwarders=f) for f in ag_bench.FORWARDER_CAPS},
         "fused, primed": dict(primed=True)}
     variants = {label: (ag_bench.ours_fn(mesh, "pallas", dataclasses.replace(config, **changes)),
                         args) for label, changes in variants.items()}
-    return {"fused": (ag_bench.ours_fn(mesh, "pallas"), args), **variants,
+    return {"fused": (ag_bench.ours_fn(mesh, "pallas", config), args), **variants,
             "core (x pre-gathered)": (core.fn, core.args)}
   if op == "matmul_reduce_scatter":
     shape = shapes.MatmulReduceScatterShape(*dims)

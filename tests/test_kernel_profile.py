@@ -245,3 +245,9 @@ def test_per_gpu_lines_put_each_call_on_its_own_origin():
   ]
   with pytest.raises(ValueError, match="GPU 1: 5 launches in 2 calls"):
     kernel_profile.per_gpu_lines({1: launches[1] + [launches[1][0]]}, 2)
+
+
+def test_ag_tiles_overrides_parse_and_name_bad_items():
+  assert kernel_profile._overrides(["stages=3", "epi_slots=1"]) == {"stages": 3, "epi_slots": 1}
+  with pytest.raises(ValueError, match="field=integer"):
+    kernel_profile._overrides(["stages"])
