@@ -427,7 +427,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
       into every peer's receive buffers; the block's first store into a peer
       waits for the peers to have entered."""
       bh = item // splits
-      rows, slot, offset = pl.ds(bh * group, group), me * splits + lax.rem(item, splits), q_window(bh)[1]
+      rows, offset = pl.ds(bh * group, group), q_window(bh)[1]
+      slot = me * splits + lax.rem(item, splits)
       with jax.named_scope("wait_entry"):
         pl.when(item < grid)(peers_in.wait)
       for dev in peers:
