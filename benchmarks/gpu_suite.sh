@@ -32,7 +32,7 @@ mkdir -p "$OUT" benchmarks/results
 
 failed=()
 
-STEPS="${STEPS:-gpu_tests gpu_tests_lamport decode_collectives decode_matmul all_gather_matmul matmul_reduce_scatter flash_decode layer_scan transformer kernel_profile windowed_einsum auto_grid}"
+STEPS="${STEPS:-gpu_tests gpu_tests_lamport decode_collectives decode_matmul all_gather_matmul matmul_reduce_scatter flash_decode flash_decode_ragged layer_scan transformer kernel_profile windowed_einsum auto_grid}"
 
 step() {  # step NAME COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records failure.
   local name="$1"; shift
@@ -69,12 +69,17 @@ step all_gather_matmul python3 -m benchmarks.all_gather_matmul --out_dir="$OUT" 
 for bench in matmul_reduce_scatter flash_decode; do
   step "$bench" python3 -m "benchmarks.$bench" --out_dir="$OUT" --iterations="$ITERATIONS"
 done
+# The decode shapes with ragged lengths (issue 31: never slower than BSP, ragged
+# lengths included), copied as <tag>_flash_decode_ragged.json below.
+step flash_decode_ragged python3 -m benchmarks.flash_decode --ragged --out_dir="$OUT/ragged" \
+    --iterations="$ITERATIONS"
 step layer_scan python3 -m benchmarks.layer_scan --out_dir="$OUT" --iterations="$ITERATIONS"
 # The whole model, fused against BSP (the BSP decode on the fast local kernel).
 step transformer python3 -m benchmarks.transformer --out_dir="$OUT"
-# In-kernel timelines (benchmarks/kernel_profile.py) at a shape of each kernel.
+# In-kernel timelines (benchmarks/kernel_profile.py) at a shape of each kernel
+# (the AG kernel on 3-stage tiles: the profiler's buffer does not fit beside 4).
 step kernel_profile bash -c 'python3 -m benchmarks.kernel_profile --op=all_gather_matmul \
-    --shape=1024,4096,4096 --trace_dir="$0/traces" && python3 -m benchmarks.kernel_profile \
+    --shape=1024,4096,4096 --ag_tiles=stages=3 --trace_dir="$0/traces" && python3 -m benchmarks.kernel_profile \
     --op=flash_decode --shape=8,64,8,128,8192 --trace_dir="$0/traces" && python3 -m \
     benchmarks.kernel_profile --op=matmul_reduce_scatter --shape=2048,4096,4096 \
     --trace_dir="$0/traces"' "$OUT"
@@ -86,6 +91,9 @@ step auto_grid python3 -m benchmarks.auto_grid --out_dir="$OUT" --iterations="$I
 
 for json in "$OUT"/*.json; do
   [ -e "$json" ] && cp "$json" benchmarks/results/
+done
+for json in "$OUT"/ragged/*_flash_decode.json; do
+  [ -e "$json" ] && cp "$json" "benchmarks/results/$(basename "${json%.json}")_ragged.json"
 done
 # JAX's baseline configs, swept where benchmarks/data had none: to commit with the results.
 mkdir -p "$OUT/data" && cp benchmarks/data/*.json "$OUT/data/" 2>/dev/null || true
