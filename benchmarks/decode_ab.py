@@ -54,12 +54,7 @@ def parse_variant(spec: str) -> Variant:
   """"pkg.mod/splits=2/num_sms=128/lens=1" -> Variant("pkg.mod", (("splits", 2),), 128,
   True)."""
   module, *fields = spec.split("/")
-  overrides = {}
-  for field in fields:
-    name, sep, value = field.partition("=")
-    if not name or not sep or not value.lstrip("-").isdigit():
-      raise ValueError(f"variant {spec!r}: expected field=integer, got {field!r}.")
-    overrides[name] = int(value)
+  overrides = runner.int_fields(fields, f"variant {spec!r}")
   num_sms = overrides.pop("num_sms", None)
   lens = bool(overrides.pop("lens", 0))
   return Variant(module, tuple(overrides.items()), num_sms, lens)

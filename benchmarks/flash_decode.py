@@ -34,7 +34,6 @@ The rate reported is KV GB/s per device: its KV slice's bytes / time.
 """
 
 import dataclasses
-import functools
 import inspect
 import math
 import warnings
@@ -116,7 +115,7 @@ def _ragged_case(case: runner.Case, share: float) -> runner.Case:
   def build() -> runner.Built:
     built = case.build()
     return dataclasses.replace(built, info={**built.info, "kv_lens": "ragged_lengths",
-                                            "busiest_device_share": round(share, 4)})
+                                            "floor_share": round(share, 4)})
   scale = lambda f: harness.Floor(int(f.flops * share), int(f.hbm_bytes * share), f.nvlink_bytes)
   return dataclasses.replace(case, build=build, floor=scale)
 
@@ -126,8 +125,9 @@ def _args(inputs: dict) -> tuple:
   return tuple(inputs[name] for name in ("q", "k", "v", "kv_lens") if name in inputs)
 
 
-def _specs(inputs: dict, kv_spec=KV_SPEC) -> tuple:
-  return (Q_SPEC, kv_spec, kv_spec) + ((P(),) if "kv_lens" in inputs else ())
+def _specs(ragged: bool, kv_spec=KV_SPEC) -> tuple:
+  """The in_specs of (q, k, v), and of kv_lens (replicated) if `ragged`."""
+  return (Q_SPEC, kv_spec, kv_spec) + ((P(),) if ragged else ())
 
 
 def ours_fn(mesh, impl: str, config=None, ragged: bool = False):
@@ -136,8 +136,7 @@ def ours_fn(mesh, impl: str, config=None, ragged: bool = False):
   def body(q, k, v, kv_lens=None):
     return jax_overlap.flash_decode(q, k, v, axis_name=AXIS, kv_lens=kv_lens, impl=impl,
                                     config=config)
-  specs = (Q_SPEC, KV_SPEC, KV_SPEC) + ((P(),) if ragged else ())
-  return spmd.per_shard(body, mesh, specs, OUT_SPEC)
+  return spmd.per_shard(body, mesh, _specs(ragged), OUT_SPEC)
 
 
 def reference(inputs: dict, mesh) -> jax.Array:
@@ -215,8 +214,8 @@ def local_kernel(q, k, v, kv_lens=None):
 
 def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runner.Case]:
   mesh, inputs = ctx.mesh, ctx.inputs
-  args, kv_specs = _args(inputs), _specs(inputs)
   ragged = "kv_lens" in inputs
+  args, kv_specs = _args(inputs), _specs(ragged)
   explain = lambda impl: jax_overlap.explain_flash_decode(
       jax.ShapeDtypeStruct((shape.b, shape.hq, shape.dh), DTYPE),
       *[jax.ShapeDtypeStruct((shape.b, shape.s_total // mesh.size, shape.hkv, shape.dh),
@@ -232,7 +231,7 @@ def make_cases(shape: shapes.FlashDecodeShape, ctx: runner.Context) -> list[runn
     cases.require_gpu("decode_attention.mqa is a Pallas Triton kernel")
     to_native = spmd.reshard(lambda x: jnp.swapaxes(x, 1, 2), mesh, NATIVE_SPEC)
     return runner.Built(
-        spmd.per_shard(_mqa_native_bsp, mesh, _specs(inputs, NATIVE_SPEC), OUT_SPEC),
+        spmd.per_shard(_mqa_native_bsp, mesh, _specs(ragged, NATIVE_SPEC), OUT_SPEC),
         (inputs["q"], to_native(inputs["k"]), to_native(inputs["v"]), *args[3:]),
         {"kv_layout": "[B, Hkv, S, Dh], transposed once before timing"})
 

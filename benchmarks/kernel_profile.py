@@ -56,6 +56,7 @@ from benchmarks import all_gather_matmul as ag_bench
 from benchmarks import flash_decode as fd_bench
 from benchmarks import matmul_reduce_scatter as rs_bench
 from benchmarks import peer_store_probe
+from benchmarks import runner
 from benchmarks import shapes
 from benchmarks import spmd
 from benchmarks import timeline
@@ -212,17 +213,6 @@ def summarize(trace: dict) -> tuple[float, list[ScopeStats]]:
   return span, stats
 
 
-def _overrides(fields: list[str]) -> dict[str, int]:
-  """["stages=3", ...] -> {"stages": 3, ...}."""
-  out = {}
-  for field in fields:
-    name, sep, value = field.partition("=")
-    if not name or not sep or not value.isdigit():
-      raise ValueError(f"--ag_tiles takes field=integer items, got {field!r}")
-    out[name] = int(value)
-  return out
-
-
 def _kernels(op: str, dims: tuple[int, ...]):
   """{label: (jitted fn, args)}: the fused kernel and its counterpart."""
   mesh = spmd.mesh()
@@ -233,7 +223,7 @@ def _kernels(op: str, dims: tuple[int, ...]):
     config = ag_bench.fused_config(shape, mesh)
     if _AG_TILES.value:
       config = dataclasses.replace(config, tiles=dataclasses.replace(
-          config.tiles, **_overrides(_AG_TILES.value)))
+          config.tiles, **runner.int_fields(_AG_TILES.value, "--ag_tiles")))
       print(f"all_gather_matmul kernels profiled on tiles {config.tiles}")
     core = ag_bench.pallas_core(shape, mesh, inputs, config)
     variants = {} if config.send == "push" else {

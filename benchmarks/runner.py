@@ -187,6 +187,18 @@ def parse_shapes(op: OpSpec, on_gpu: bool) -> tuple:
   return tuple(shapes)
 
 
+def int_fields(fields, what: str) -> dict[str, int]:
+  """["stages=3", "splits=-1", ...] -> {"stages": 3, "splits": -1, ...};
+  ValueError naming `what` (the flag or spec they came from) otherwise."""
+  out = {}
+  for field in fields:
+    name, sep, value = field.partition("=")
+    if not name or not sep or not value.lstrip("-").isdigit():
+      raise ValueError(f"{what}: expected field=integer, got {field!r}.")
+    out[name] = int(value)
+  return out
+
+
 def selected(name: str, opt_in: bool = False) -> bool:
   """Whether case `name` runs: named by --only or --impls, else every case
   that is not opt_in."""

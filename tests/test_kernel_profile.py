@@ -8,6 +8,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import kernel_profile
 from benchmarks import peer_store_probe
+from benchmarks import runner
 
 
 def _event(ph, name, tid, ts, pid=1):
@@ -247,7 +248,9 @@ def test_per_gpu_lines_put_each_call_on_its_own_origin():
     kernel_profile.per_gpu_lines({1: launches[1] + [launches[1][0]]}, 2)
 
 
-def test_ag_tiles_overrides_parse_and_name_bad_items():
-  assert kernel_profile._overrides(["stages=3", "epi_slots=1"]) == {"stages": 3, "epi_slots": 1}
-  with pytest.raises(ValueError, match="field=integer"):
-    kernel_profile._overrides(["stages"])
+def test_int_fields_parse_and_name_bad_items():
+  """--ag_tiles' and decode_ab's field=integer items."""
+  assert runner.int_fields(["stages=3", "epi_slots=-1"], "--ag_tiles") == {"stages": 3,
+                                                                           "epi_slots": -1}
+  with pytest.raises(ValueError, match="--ag_tiles: expected field=integer"):
+    runner.int_fields(["stages"], "--ag_tiles")
