@@ -145,7 +145,7 @@ class FlashDecodeConfig:
       lost with its branch, rebuilt), the default since session 55: on one
       H200 at D = 1 (the local share of D = 2) 3-8% faster at the
       latency-bound Dh = 128 shapes, 19-38% at Dh = 64, level at long caches;
-      its GPU tests passing at D = 1 and 2 (benchmarks/NOTES.md).
+      its GPU tests passing at D = 1, 2 and 4 (benchmarks/NOTES.md).
     one_fence: a block raises an item's semaphores on the D - 1 peers
       behind one system-scope fence (`signals.signal_each`) instead of one
       release per peer (`signals.signal`): in the D = 4 profile (4 H200s,
@@ -275,8 +275,8 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
 _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
 # Likewise the kernel since decode v26 (a block's stores into its peers under
 # its next item's first loads, every config) and positions_on_m (v23, the
-# default): 2 H200s, sessions 55-56.
-_GPU_TESTED_AXIS_SIZES = (1, 2)
+# default): 2 H200s, sessions 55-56; 4 H200s, session 57.
+_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
 
 
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
@@ -290,7 +290,7 @@ def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | N
     what = ("config.positions_on_m (decode v23) and decode v26's peer stores under a block's"
             " next item have" if config.positions_on_m else
             "decode v26's peer stores under a block's next item have")
-    return (f"{what} passed the GPU tests at D = 1 and 2; at D = {axis_size} they are"
+    return (f"{what} passed the GPU tests at D = 1, 2 and 4; at D = {axis_size} they are"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md).")
   return None
 

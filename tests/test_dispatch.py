@@ -473,24 +473,24 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
 
 def test_explain_marks_an_experimental_decode_config(monkeypatch):
   """flash_decode's merge_all (decode v19, GPU-tested at D = 4 only) runs
-  when passed, and `explain` says it is experimental at D = 2; at D = 4 the
-  kernel since decode v26 is (GPU-tested at D = 1 and 2 only), and with the
-  default's positions_on_m says so too; the default carries no caveat at
-  D = 2."""
+  when passed, and `explain` says it is experimental at D = 2; at D = 8 the
+  kernel since decode v26 is (GPU-tested at D = 1, 2 and 4 only), and with
+  the default's positions_on_m says so too; the default carries no caveat
+  at D = 2 and 4, nor merge_all at D = 4."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
   _as_on_hopper(monkeypatch)
   args = _decode_shapes(8, 4096)
   default = fdk.default_config(8, 8, 64, 4096, 128, BF16, num_sms=132)
-  plain = jax_overlap.explain_flash_decode(*args, axis_size=2, impl="pallas", config=default)
-  merged = jax_overlap.explain_flash_decode(
-      *args, axis_size=2, impl="pallas", config=dataclasses.replace(default, merge_all=True))
-  assert (plain.impl, plain.caveat) == ("pallas", None)
+  merge_all = dataclasses.replace(default, merge_all=True)
+  explain = lambda d, config: jax_overlap.explain_flash_decode(
+      *args, axis_size=d, impl="pallas", config=config)
+  for d, config in ((2, default), (4, default), (4, merge_all)):
+    assert (explain(d, config).impl, explain(d, config).caveat) == ("pallas", None), (d, config)
+  merged = explain(2, merge_all)
   assert merged.impl == "pallas" and "merge_all has passed the GPU tests at D = 4" in merged.caveat
-  tested = jax_overlap.explain_flash_decode(
-      *args, axis_size=4, impl="pallas",
-      config=dataclasses.replace(default, merge_all=True, positions_on_m=False))
-  assert tested.impl == "pallas" and "decode v26" in tested.caveat
-  assert "merge_all" not in tested.caveat and "positions_on_m" not in tested.caveat
-  on_m = jax_overlap.explain_flash_decode(*args, axis_size=4, impl="pallas", config=default)
+  window = explain(8, dataclasses.replace(default, positions_on_m=False))
+  assert window.impl == "pallas" and "decode v26" in window.caveat
+  assert "merge_all" not in window.caveat and "positions_on_m" not in window.caveat
+  on_m = explain(8, default)
   assert on_m.impl == "pallas" and "positions_on_m (decode v23) and decode v26" in on_m.caveat
-  assert "passed the GPU tests at D = 1 and 2" in on_m.caveat
+  assert "passed the GPU tests at D = 1, 2 and 4" in on_m.caveat

@@ -349,23 +349,25 @@ def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
 
 @pytest.mark.parametrize("d", [2, 3, 4, 8])
 def test_experimental_configs_are_named(d):
-  """Every config is experimental at D >= 3 until run there: decode v26
+  """Every config is experimental at D = 3 and 8 until run there: decode v26
   (a block's peer stores under its next item's loads) and the default's
-  positions_on_m have passed the GPU tests at D = 1 and 2 only. At D = 2
-  the 64-row window is not experimental either, with partials in q's dtype
-  or in float32 (narrow_partials), with one fence or a release per peer
-  (one_fence); merge_all is, everywhere but at D = 4 (GPU-tested there
-  before v26), where v26 is."""
+  positions_on_m have passed the GPU tests at D = 1, 2 and 4 only. At D = 2
+  and 4 the 64-row window is not experimental either, with partials in q's
+  dtype or in float32 (narrow_partials), with one fence or a release per
+  peer (one_fence); merge_all is, everywhere but at D = 4 (GPU-tested there
+  with v19 and with v26)."""
+  tested = d in (2, 4)
   default = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
   assert default.positions_on_m and default.narrow_partials and default.one_fence
   on_m = fd.experimental_reason(default, axis_size=d)
-  assert (on_m is None) == (d == 2) and (on_m is None or "positions_on_m" in on_m), on_m
+  assert (on_m is None) == tested and (on_m is None or "positions_on_m" in on_m), on_m
   config = dataclasses.replace(default, positions_on_m=False)
   window = fd.experimental_reason(config, axis_size=d)
-  assert (window is None) == (d == 2), window
+  assert (window is None) == tested, window
   assert window is None or ("v26" in window and "positions_on_m" not in window), window
   merge_all = fd.experimental_reason(dataclasses.replace(config, merge_all=True), axis_size=d)
-  assert merge_all is not None and ("merge_all" in merge_all) == (d != 4), merge_all
+  assert (merge_all is None) == (d == 4), merge_all
+  assert merge_all is None or ("merge_all" in merge_all) == (d != 4), merge_all
   for variant in (dict(narrow_partials=False), dict(one_fence=False)):
     assert fd.experimental_reason(dataclasses.replace(config, **variant),
                                   axis_size=d) == window
