@@ -39,6 +39,7 @@ where the AG kernel behind XLA's barrier took 7x its single-process time and
 the decode kernel with this handshake did not (AG v22).
 """
 
+import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -73,8 +74,9 @@ class Entry:
     for peer in self._peers():
       for word, value in enumerate(MARKER):
         pl.semaphore_signal(self._slots.at[peer, word], value)
-    _await_markers([plgpu.remote_ref(self._slots.at[self._me], {self._axis_name: peer})
-                    for peer in self._peers()])
+    with jax.named_scope("await_markers"):  # in kernel profiles: when the peers were seen
+      _await_markers([plgpu.remote_ref(self._slots.at[self._me], {self._axis_name: peer})
+                      for peer in self._peers()])
     for peer in self._peers():
       for word, value in enumerate(MARKER):
         pl.semaphore_signal(self._slots.at[self._me, word], -value,
