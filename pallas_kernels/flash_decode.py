@@ -130,6 +130,15 @@ class FlashDecodeConfig:
       pipeline prologue on the critical path instead of D. Decode v19:
       GPU-tested at D = 4 (1-4% faster there), experimental at other D
       (`experimental_reason`); off by default.
+    stream_merge: a merge item folds every source's partials in device
+      order through one ring of two steps, each source's first loads issued
+      once its semaphore says they have landed: a step's loads fly under the
+      previous step's arithmetic, and a late source holds only the steps
+      from it on. Per source (the default) and with merge_all, a pipeline
+      prologue per source or one wait for all sits on the critical path
+      (v26 at D = 4, b1: four folds of ~1.8 kcyc in series once the
+      partials, which land together, are there). Decode v27: experimental
+      (`experimental_reason`); takes precedence over merge_all.
     narrow_partials: the partial outputs are exchanged in q's dtype instead
       of float32 (`partial_dtype`): 40% fewer bytes into the peers at Dh =
       128 (the log-sum-exps stay float32); the merge weighs them in float32,
@@ -165,6 +174,7 @@ class FlashDecodeConfig:
   stages: int = 2
   combine_cols: int = 128
   merge_all: bool = False
+  stream_merge: bool = False
   narrow_partials: bool = True
   one_fence: bool = True
   positions_on_m: bool = True
@@ -186,13 +196,14 @@ class FlashDecodeConfig:
   def merge_ring(self, itemsize: int) -> tuple[int, int]:
     """(partials per step, stages) of the merge ring: a source's `splits`
     partials in as few steps as fit in shared memory (at most MERGE_BATCH
-    per step), two steps in flight (with merge_all the ring runs over D >= 2
-    sources' partials: always two)."""
+    per step), two steps in flight (with merge_all or stream_merge the ring
+    runs over D >= 2 sources' partials: always two)."""
+    across = self.merge_all or self.stream_merge
     for batch in range(min(self.splits, MERGE_BATCH), 1, -1):
-      stages = 2 if self.merge_all else min(2, self.splits // batch)
+      stages = 2 if across else min(2, self.splits // batch)
       if not self.splits % batch and self._merge_bytes(batch, stages, itemsize) <= SMEM_BYTES:
         return batch, stages
-    return 1, 2 if self.merge_all else min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: fits
+    return 1, 2 if across else min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: fits
 
   def _merge_bytes(self, batch: int, stages: int, itemsize: int) -> int:
     ring = stages * batch * ROWS * (
@@ -277,11 +288,16 @@ _MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
 # its next item's first loads, every config) and positions_on_m (v23, the
 # default): 2 H200s, sessions 55-56; 4 H200s, session 57.
 _GPU_TESTED_AXIS_SIZES = (1, 2, 4)
+# Likewise stream_merge (decode v27).
+_STREAM_MERGE_GPU_TESTED_AXIS_SIZES = ()
 
 
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet run on GPUs there), or None."""
+  if config.stream_merge and axis_size not in _STREAM_MERGE_GPU_TESTED_AXIS_SIZES:
+    return ("config.stream_merge (decode v27) is interpreter- and lowering-tested, not yet run on"
+            f" GPUs at D = {axis_size} (benchmarks/NOTES.md).")
   if config.merge_all and axis_size not in _MERGE_ALL_GPU_TESTED_AXIS_SIZES:
     return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
@@ -671,7 +687,44 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
         wait_for(dev)
         return fold(dev * splits, splits)
 
-      if config.merge_all and d > 1:
+      def streamed():
+        """The state of every source's partials, `batch` per step in device
+        order through a ring of two slots (config.stream_merge); a source's
+        first loads wait for its semaphore."""
+        per_source = splits // batch
+        steps = d * per_source
+
+        def run(o_ring, lse_ring, landed):
+          def fetch(k):
+            k = jnp.asarray(k, jnp.int32)
+            dev, chunk, slot = k // per_source, lax.rem(k, per_source), lax.rem(k, 2)
+            pl.when(chunk == 0)(lambda: wait_for(dev))
+            first = dev * splits + chunk * batch
+            plgpu.copy_gmem_to_smem(recv_o.at[pl.ds(first, batch), tile_rows, tile_cols],
+                                    o_ring.at[slot], landed.at[slot])
+            plgpu.copy_gmem_to_smem(recv_lse.at[pl.ds(first, batch), tile_rows],
+                                    lse_ring.at[slot], landed.at[slot])
+
+          for k in range(min(2, steps)):
+            fetch(k)
+
+          def body(k, carry):
+            slot = lax.rem(k, 2)
+            plgpu.barrier_wait(landed.at[slot])
+            carry = step(k, o_ring.at[slot], lse_ring.at[slot], carry)
+            pl.when(k + 2 < steps)(lambda: fetch(k + 2))  # into the slot just read
+            return carry
+
+          with jax.named_scope("fold"):
+            return lax.fori_loop(0, steps, body, empty())
+
+        return pl.run_scoped(run, plgpu.SMEM((2, batch, ROWS, cols), config.partial_dtype(dtype)),
+                             plgpu.SMEM((2, batch, ROWS), jnp.float32),
+                             plgpu.Barrier(num_arrivals=2, num_barriers=2))
+
+      if config.stream_merge:
+        acc, _, l = streamed()
+      elif config.merge_all and d > 1:
         # Every source's partials, then one pipeline over all of them in
         # device order: the same arithmetic on every device.
         for dev in range(d):

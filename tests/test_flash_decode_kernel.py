@@ -81,6 +81,16 @@ CASES = [
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, narrow_partials=False)),
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
      fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
+    # stream_merge: every source's partials through one two-slot ring, each
+    # source's loads after its wait (D = 1, 2 and 3; one split per source,
+    # splits merged 2 per step, a source in 4 steps; float32 partials).
+    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, stream_merge=True)),
+    (1, 8, 2, 128, 1024, 2, (1500,), BF16,
+     fd.FlashDecodeConfig(128, 4, 2, 128, stream_merge=True)),
+    (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 8, 2, 128, stream_merge=True)),
+    (3, 4, 4, 64, 128, 1, (0, 64, 100), F16, fd.FlashDecodeConfig(64, 2, 3, 32, stream_merge=True)),
+    (3, 24, 2, 64, 128, 3, (256, 100, 129), BF16,
+     fd.FlashDecodeConfig(64, 2, 2, 16, stream_merge=True, narrow_partials=False)),
 ]
 # The cases above put the KV positions on the wgmma M (positions_on_m, the
 # default: query windows of 8 rows at G = 1, 4 and 8, 16 at G = 12 and 24 at
@@ -119,6 +129,7 @@ def _own_slots(recv, index, splits):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
                          f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
+                         f"{'_stream_merge' if c[8].stream_merge else ''}"
                          f"{'' if c[8].narrow_partials else '_f32_partials'}"
                          f"{'' if c[8].positions_on_m else '_64_rows'}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
@@ -162,30 +173,34 @@ def _check_merges(case, interpreter):
     assert out.shape == (b, hq, dh) and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), want,
                                atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
-    # Each device merges its own partials first (or, with merge_all, every
-    # source's in device order), and all do the same arithmetic: the output
-    # is replicated bit for bit.
+    # Each device merges its own partials first (or, with merge_all or
+    # stream_merge, every source's in device order), and all do the same
+    # arithmetic: the output is replicated bit for bit.
     outs.append(np.asarray(out))
     np.testing.assert_array_equal(outs[i], outs[0], err_msg=f"device {i} differs from device 0")
 
 
-@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,merge_all,narrow", [
-    (2, BF16, 128, 64, 8, 8192, False, False), (2, F16, 64, 32, 8, 8192, False, False),
-    (2, BF16, 128, 8, 8, 8192, False, False),
-    (2, BF16, 128, 64, 1, 32768, False, False),  # 16 splits, merged 8 at a time
-    (4, BF16, 128, 64, 1, 32768, False, False), (3, BF16, 128, 64, 8, 3 * 4096, False, False),
-    (4, BF16, 128, 64, 1, 32768, True, False), (4, BF16, 128, 64, 8, 8192, True, False),
-    (4, BF16, 128, 64, 8, 8192, False, True), (4, BF16, 128, 64, 1, 32768, True, True),
-    (4, F16, 64, 32, 32, 4 * 4096, False, True),
-    (8, BF16, 128, 64, 1, 65536, False, False)])  # D = 8 (no 8-GPU machine yet)
-def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, merge_all,
-                                                 narrow):
+_MERGE_ALL, _STREAM = dict(merge_all=True), dict(stream_merge=True)
+
+
+@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,merge,narrow", [
+    (2, BF16, 128, 64, 8, 8192, {}, False), (2, F16, 64, 32, 8, 8192, {}, False),
+    (2, BF16, 128, 8, 8, 8192, {}, False),
+    (2, BF16, 128, 64, 1, 32768, {}, False),  # 16 splits, merged 8 at a time
+    (4, BF16, 128, 64, 1, 32768, {}, False), (3, BF16, 128, 64, 8, 3 * 4096, {}, False),
+    (4, BF16, 128, 64, 1, 32768, _MERGE_ALL, False), (4, BF16, 128, 64, 8, 8192, _MERGE_ALL, False),
+    (4, BF16, 128, 64, 8, 8192, {}, True), (4, BF16, 128, 64, 1, 32768, _MERGE_ALL, True),
+    (4, F16, 64, 32, 32, 4 * 4096, {}, True),
+    (2, BF16, 128, 64, 1, 32768, _STREAM, True), (4, BF16, 128, 64, 1, 32768, _STREAM, True),
+    (4, BF16, 128, 64, 8, 8192, _STREAM, True), (8, BF16, 128, 64, 1, 65536, _STREAM, True),
+    (8, BF16, 128, 64, 1, 65536, {}, False)])  # D = 8 (no 8-GPU machine yet)
+def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, merge, narrow):
   """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2-4 and 8,
-  with one merge pipeline per source or one over all (merge_all), partials in
-  float32 or in q's dtype (narrow_partials), and the devices meet inside the
-  kernel (entry.Entry's handshake: one spin over every peer's marker), not at
-  XLA's barrier."""
-  module = _cuda_module(d, dtype, dh, hq, b, s_total, merge_all=merge_all, narrow_partials=narrow)
+  with one merge pipeline per source, one over all (merge_all) or one ring
+  over all (stream_merge), partials in float32 or in q's dtype
+  (narrow_partials), and the devices meet inside the kernel (entry.Entry's
+  handshake: one spin over every peer's marker), not at XLA's barrier."""
+  module = _cuda_module(d, dtype, dh, hq, b, s_total, narrow_partials=narrow, **merge)
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
   # The one spin reads each peer's two marker words in every round.
@@ -309,7 +324,10 @@ def test_merge_ring_takes_as_many_partials_per_step_as_fit():
   assert f32(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
   assert f32(128, 7, 2, 128).merge_ring(itemsize) == (1, 2)
   assert f32(128, 1, 2, 64).merge_ring(itemsize) == (1, 1)
-  # merge_all: the ring runs over D >= 2 sources, so always two steps in flight.
+  # merge_all and stream_merge: the ring runs over D >= 2 sources, so always
+  # two steps in flight.
+  assert f32(128, 4, 2, 128, stream_merge=True).merge_ring(itemsize) == (2, 2)
+  assert f32(128, 1, 2, 64, stream_merge=True).merge_ring(itemsize) == (1, 2)
   assert f32(128, 4, 2, 128, merge_all=True).merge_ring(itemsize) == (2, 2)
   assert f32(128, 1, 2, 64, merge_all=True).merge_ring(itemsize) == (1, 2)
   assert f32(128, 8, 2, 16, merge_all=True).merge_ring(itemsize) == (8, 2)
@@ -368,6 +386,8 @@ def test_experimental_configs_are_named(d):
   merge_all = fd.experimental_reason(dataclasses.replace(config, merge_all=True), axis_size=d)
   assert (merge_all is None) == (d == 4), merge_all
   assert merge_all is None or ("merge_all" in merge_all) == (d != 4), merge_all
+  stream = fd.experimental_reason(dataclasses.replace(default, stream_merge=True), axis_size=d)
+  assert stream is not None and "stream_merge" in stream, stream
   for variant in (dict(narrow_partials=False), dict(one_fence=False)):
     assert fd.experimental_reason(dataclasses.replace(config, **variant),
                                   axis_size=d) == window
