@@ -47,14 +47,15 @@ consecutive (batch, KV head) groups, whose rows fit one 64-row window (see
 `receive_rows`).
 
 Phase 2, combine. Work item (merge tile, column chunk), on the blocks with
-the fewest phase-1 items: per source device, wait for its semaphore of the
-tile to count the `splits` partials of every group in it (no global barrier)
-and merge them with the log-sum-exp rule, up to MERGE_BATCH partials per step
-of a TMA pipeline over the tile's 64-row window; this device's partials
-first (they land a remote round trip before the peers'), then the sources
-combined in device order, so that every device does the same arithmetic and
-the output is replicated bit for bit. Each group's G rows of the output
-[B * Hq, Dh] are stored (no padding to strip afterwards).
+the fewest phase-1 items: the D x splits partials of the tile's 64-row
+window merged with the log-sum-exp rule in device order, up to MERGE_BATCH
+per step of one two-slot TMA ring (decode v27); a source's first loads are
+issued once its semaphore of the tile counts the `splits` partials of every
+group in it (no global barrier), so one step's loads fly under the previous
+step's arithmetic and a late source holds only the steps from it on. Every
+device does the same arithmetic: the output is replicated bit for bit. Each
+group's G rows of the output [B * Hq, Dh] are stored (no padding to strip
+afterwards).
 
 The persistent grid (at most one block per SM, all resident) runs its phase-1
 items before its phase-2 items; phase 1 waits only for the peers to have
@@ -69,8 +70,8 @@ Named scopes mark the phases for Mosaic GPU's in-kernel profiler: attend,
 deliver (inside attend; inside it wait_entry, the wait for the peers to have
 entered before a block's first store into them), publish (a block's last
 peer signals; inside it stores_land, the wait for its stores into the peers
-to complete), merge, and inside merge wait_partials, fold (one source's
-partials) and store_out.
+to complete), merge, and inside merge fold (the ring; inside it
+wait_partials, the wait for a source) and store_out.
 
 Exchange seam: with `Received`, the peers' partials are an input; each item
 copies its peers' rows from it into the receive buffers where the peers would
@@ -124,21 +125,6 @@ class FlashDecodeConfig:
     stages: depth of the K/V shared-memory ring.
     combine_cols: output columns per phase-2 item (divides Dh, multiple of
       16): narrower spreads the merge of one tile over more blocks.
-    merge_all: a merge item waits for every source's partials, then folds
-      all D x splits of them in one pipeline, in device order, instead of
-      one pipeline per source (own first, each after its own wait): one
-      pipeline prologue on the critical path instead of D. Decode v19:
-      GPU-tested at D = 4 (1-4% faster there), experimental at other D
-      (`experimental_reason`); off by default.
-    stream_merge: a merge item folds every source's partials in device
-      order through one ring of two steps, each source's first loads issued
-      once its semaphore says they have landed: a step's loads fly under the
-      previous step's arithmetic, and a late source holds only the steps
-      from it on. Per source (the default) and with merge_all, a pipeline
-      prologue per source or one wait for all sits on the critical path
-      (v26 at D = 4, b1: four folds of ~1.8 kcyc in series once the
-      partials, which land together, are there). Decode v27: experimental
-      (`experimental_reason`); takes precedence over merge_all.
     narrow_partials: the partial outputs are exchanged in q's dtype instead
       of float32 (`partial_dtype`): 40% fewer bytes into the peers at Dh =
       128 (the log-sum-exps stay float32); the merge weighs them in float32,
@@ -173,8 +159,6 @@ class FlashDecodeConfig:
   splits: int = 1
   stages: int = 2
   combine_cols: int = 128
-  merge_all: bool = False
-  stream_merge: bool = False
   narrow_partials: bool = True
   one_fence: bool = True
   positions_on_m: bool = True
@@ -191,22 +175,19 @@ class FlashDecodeConfig:
     tiles = window * (head_dim + self.block_kv) * itemsize  # q, P
     rows = staging_rows(heads, self)
     staging = rows * head_dim * self._partial_itemsize(itemsize) + (LSE_PAD + rows) * 4  # o, lse
-    return max(ring + tiles + staging, self._merge_bytes(*self.merge_ring(itemsize), itemsize))
+    return max(ring + tiles + staging, self._merge_bytes(self.merge_batch(itemsize), itemsize))
 
-  def merge_ring(self, itemsize: int) -> tuple[int, int]:
-    """(partials per step, stages) of the merge ring: a source's `splits`
-    partials in as few steps as fit in shared memory (at most MERGE_BATCH
-    per step), two steps in flight (with merge_all or stream_merge the ring
-    runs over D >= 2 sources' partials: always two)."""
-    across = self.merge_all or self.stream_merge
+  def merge_batch(self, itemsize: int) -> int:
+    """Partials per step of the merge ring: a source's `splits` partials in
+    as few steps as two slots of shared memory hold (at most MERGE_BATCH
+    per step)."""
     for batch in range(min(self.splits, MERGE_BATCH), 1, -1):
-      stages = 2 if across else min(2, self.splits // batch)
-      if not self.splits % batch and self._merge_bytes(batch, stages, itemsize) <= SMEM_BYTES:
-        return batch, stages
-    return 1, 2 if across else min(2, self.splits)  # 2 * ROWS * (Dh + 8) * 4 bytes: fits
+      if not self.splits % batch and self._merge_bytes(batch, itemsize) <= SMEM_BYTES:
+        return batch
+    return 1  # 2 * ROWS * (Dh + 8) * 4 bytes: fits
 
-  def _merge_bytes(self, batch: int, stages: int, itemsize: int) -> int:
-    ring = stages * batch * ROWS * (
+  def _merge_bytes(self, batch: int, itemsize: int) -> int:
+    ring = 2 * batch * ROWS * (
         self.combine_cols * self._partial_itemsize(itemsize) + 4)
     return ring + ROWS * self.combine_cols * itemsize  # + the output tile
 
@@ -281,32 +262,21 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
   return None
 
 
-# The axis sizes at which merge_all has passed the GPU tests (4 H100s,
-# session 32; 1-4% faster than one pipeline per source there).
-_MERGE_ALL_GPU_TESTED_AXIS_SIZES = (4,)
-# Likewise the kernel since decode v26 (a block's stores into its peers under
-# its next item's first loads, every config) and positions_on_m (v23, the
-# default): 2 H200s, sessions 55-56; 4 H200s, session 57.
-_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
-# Likewise stream_merge (decode v27).
-_STREAM_MERGE_GPU_TESTED_AXIS_SIZES = ()
+# The axis sizes at which the kernel as it stands has passed the GPU tests:
+# decode v27 (the streamed merge) on 2 H200s, session 57; v26 with
+# positions_on_m (v23) also on 4 H200s, session 57.
+_GPU_TESTED_AXIS_SIZES = (1, 2)
 
 
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:
   """Why `config` is experimental over an axis of `axis_size` devices (not
   yet run on GPUs there), or None."""
-  if config.stream_merge and axis_size not in _STREAM_MERGE_GPU_TESTED_AXIS_SIZES:
-    return ("config.stream_merge (decode v27) is interpreter- and lowering-tested, not yet run on"
-            f" GPUs at D = {axis_size} (benchmarks/NOTES.md).")
-  if config.merge_all and axis_size not in _MERGE_ALL_GPU_TESTED_AXIS_SIZES:
-    return (f"config.merge_all has passed the GPU tests at D = 4; at D = {axis_size} it is"
-            " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md,"
-            " decode v19).")
   if axis_size not in _GPU_TESTED_AXIS_SIZES:
-    what = ("config.positions_on_m (decode v23) and decode v26's peer stores under a block's"
-            " next item have" if config.positions_on_m else
-            "decode v26's peer stores under a block's next item have")
-    return (f"{what} passed the GPU tests at D = 1, 2 and 4; at D = {axis_size} they are"
+    what = "decode v27's streamed merge" + (
+        " and config.positions_on_m (decode v23)" if config.positions_on_m else "")
+    *most, last = map(str, _GPU_TESTED_AXIS_SIZES)
+    tested = f"{', '.join(most)} and {last}" if most else last
+    return (f"{what} passed the GPU tests at D = {tested}; at D = {axis_size} the kernel is"
             " interpreter- and lowering-tested, not yet run on GPUs (benchmarks/NOTES.md).")
   return None
 
@@ -651,95 +621,54 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
                 plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
 
-      batch, merge_stages = config.merge_ring(jnp.dtype(dtype).itemsize)
-
-      def step(_, o_smem, lse_smem, carry):
-        # The step's partials are weighed against their own max first, so
-        # that their loads and exponentials do not wait on one another.
-        lses = [plgpu.load(lse_smem.at[i], layout=row_layout) for i in range(batch)]
-        m = functools.reduce(jnp.maximum, lses)
-        shift = jnp.where(m == -jnp.inf, 0.0, m)  # all empty: no NaN
-        weights = [jnp.exp(lse - shift) for lse in lses]
-        acc = functools.reduce(operator.add, (
-            plgpu.load(o_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            * lax.broadcast_in_dim(w, (ROWS, cols), [0]) for i, w in enumerate(weights)))
-        return combine(carry, (acc, m, functools.reduce(operator.add, weights)))
+      batch = config.merge_batch(jnp.dtype(dtype).itemsize)
+      per_source = splits // batch
+      steps = d * per_source
 
       def wait_for(dev):
         if exchange:
           with jax.named_scope("wait_partials"):
             pl.semaphore_wait(ready.at[tile, dev], groups * splits, decrement=False)
 
-      def fold(first: int, slots: int):
-        """The state of partial slots [first, first + slots), `batch` per step."""
-        with jax.named_scope("fold"):
-          return plgpu.emit_pipeline(
-              step, grid=(slots // batch,),
-              in_specs=[plgpu.BlockSpec((batch, ROWS, cols), lambda p: (p, 0, 0)),
-                        plgpu.BlockSpec((batch, ROWS), lambda p: (p, 0))],
-              max_concurrent_steps=min(merge_stages, slots // batch), init_carry=empty(),
-          )(recv_o.at[pl.ds(first, slots), tile_rows, tile_cols],
-            recv_lse.at[pl.ds(first, slots), tile_rows])
-
-      def source(dev):
-        """The state of device dev's `splits` partials, once they have all
-        arrived; the same steps on every device."""
-        wait_for(dev)
-        return fold(dev * splits, splits)
-
-      def streamed():
+      def fold(o_ring, lse_ring, landed):
         """The state of every source's partials, `batch` per step in device
-        order through a ring of two slots (config.stream_merge); a source's
-        first loads wait for its semaphore."""
-        per_source = splits // batch
-        steps = d * per_source
+        order through the ring's two slots: a source's first loads are
+        issued after its wait, into the slot the step before last read."""
+        def fetch(k):
+          k = jnp.asarray(k, jnp.int32)
+          dev, chunk, slot = k // per_source, lax.rem(k, per_source), lax.rem(k, 2)
+          pl.when(chunk == 0)(lambda: wait_for(dev))
+          first = dev * splits + chunk * batch
+          plgpu.copy_gmem_to_smem(recv_o.at[pl.ds(first, batch), tile_rows, tile_cols],
+                                  o_ring.at[slot], landed.at[slot])
+          plgpu.copy_gmem_to_smem(recv_lse.at[pl.ds(first, batch), tile_rows],
+                                  lse_ring.at[slot], landed.at[slot])
 
-        def run(o_ring, lse_ring, landed):
-          def fetch(k):
-            k = jnp.asarray(k, jnp.int32)
-            dev, chunk, slot = k // per_source, lax.rem(k, per_source), lax.rem(k, 2)
-            pl.when(chunk == 0)(lambda: wait_for(dev))
-            first = dev * splits + chunk * batch
-            plgpu.copy_gmem_to_smem(recv_o.at[pl.ds(first, batch), tile_rows, tile_cols],
-                                    o_ring.at[slot], landed.at[slot])
-            plgpu.copy_gmem_to_smem(recv_lse.at[pl.ds(first, batch), tile_rows],
-                                    lse_ring.at[slot], landed.at[slot])
+        def step(k, carry):
+          # The step's partials are weighed against their own max first, so
+          # that their loads and exponentials do not wait on one another.
+          slot = lax.rem(k, 2)
+          plgpu.barrier_wait(landed.at[slot])
+          o_smem, lse_smem = o_ring.at[slot], lse_ring.at[slot]
+          lses = [plgpu.load(lse_smem.at[i], layout=row_layout) for i in range(batch)]
+          m = functools.reduce(jnp.maximum, lses)
+          shift = jnp.where(m == -jnp.inf, 0.0, m)  # all empty: no NaN
+          weights = [jnp.exp(lse - shift) for lse in lses]
+          acc = functools.reduce(operator.add, (
+              plgpu.load(o_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+              * lax.broadcast_in_dim(w, (ROWS, cols), [0]) for i, w in enumerate(weights)))
+          carry = combine(carry, (acc, m, functools.reduce(operator.add, weights)))
+          pl.when(k + 2 < steps)(lambda: fetch(k + 2))
+          return carry
 
-          for k in range(min(2, steps)):
-            fetch(k)
+        for k in range(min(2, steps)):
+          fetch(k)
+        with jax.named_scope("fold"):
+          return lax.fori_loop(0, steps, step, empty())
 
-          def body(k, carry):
-            slot = lax.rem(k, 2)
-            plgpu.barrier_wait(landed.at[slot])
-            carry = step(k, o_ring.at[slot], lse_ring.at[slot], carry)
-            pl.when(k + 2 < steps)(lambda: fetch(k + 2))  # into the slot just read
-            return carry
-
-          with jax.named_scope("fold"):
-            return lax.fori_loop(0, steps, body, empty())
-
-        return pl.run_scoped(run, plgpu.SMEM((2, batch, ROWS, cols), config.partial_dtype(dtype)),
-                             plgpu.SMEM((2, batch, ROWS), jnp.float32),
-                             plgpu.Barrier(num_arrivals=2, num_barriers=2))
-
-      if config.stream_merge:
-        acc, _, l = streamed()
-      elif config.merge_all and d > 1:
-        # Every source's partials, then one pipeline over all of them in
-        # device order: the same arithmetic on every device.
-        for dev in range(d):
-          wait_for(dev)
-        acc, _, l = fold(0, d * splits)
-      else:
-        # This device's partials land first: merge them while the peers' are
-        # in flight. The sources are then combined in device order, this
-        # one's in its place, so that every device does the same arithmetic
-        # and the outputs agree bit for bit.
-        acc, _, l = own = source(me)
-        if d > 1:
-          before = lax.fori_loop(0, me, lambda dev, state: combine(state, source(dev)), empty())
-          acc, _, l = lax.fori_loop(me + 1, d, lambda dev, state: combine(state, source(dev)),
-                                    combine(before, own))
+      acc, _, l = pl.run_scoped(
+          fold, plgpu.SMEM((2, batch, ROWS, cols), config.partial_dtype(dtype)),
+          plgpu.SMEM((2, batch, ROWS), jnp.float32), plgpu.Barrier(num_arrivals=2, num_barriers=2))
       safe_l = jnp.where(l > 0, l, 1.0)  # a sequence of length 0 yields zeros
       out_smem[...] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
       plgpu.commit_smem()

@@ -472,25 +472,23 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
 
 
 def test_explain_marks_an_experimental_decode_config(monkeypatch):
-  """flash_decode's merge_all (decode v19, GPU-tested at D = 4 only) runs
-  when passed, and `explain` says it is experimental at D = 2; at D = 8 the
-  kernel since decode v26 is (GPU-tested at D = 1, 2 and 4 only), and with
-  the default's positions_on_m says so too; the default carries no caveat
-  at D = 2 and 4, nor merge_all at D = 4."""
+  """At D = 4 and 8 the decode kernel since v27 (the streamed merge,
+  GPU-tested at D = 1 and 2 only) is experimental, and with the default's
+  positions_on_m `explain` says so too; at D = 2 the default and the 64-row
+  window carry no caveat."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
   _as_on_hopper(monkeypatch)
   args = _decode_shapes(8, 4096)
   default = fdk.default_config(8, 8, 64, 4096, 128, BF16, num_sms=132)
-  merge_all = dataclasses.replace(default, merge_all=True)
+  rows = dataclasses.replace(default, positions_on_m=False)
   explain = lambda d, config: jax_overlap.explain_flash_decode(
       *args, axis_size=d, impl="pallas", config=config)
-  for d, config in ((2, default), (4, default), (4, merge_all)):
-    assert (explain(d, config).impl, explain(d, config).caveat) == ("pallas", None), (d, config)
-  merged = explain(2, merge_all)
-  assert merged.impl == "pallas" and "merge_all has passed the GPU tests at D = 4" in merged.caveat
-  window = explain(8, dataclasses.replace(default, positions_on_m=False))
-  assert window.impl == "pallas" and "decode v26" in window.caveat
-  assert "merge_all" not in window.caveat and "positions_on_m" not in window.caveat
-  on_m = explain(8, default)
-  assert on_m.impl == "pallas" and "positions_on_m (decode v23) and decode v26" in on_m.caveat
-  assert "passed the GPU tests at D = 1, 2 and 4" in on_m.caveat
+  for config in (default, rows):
+    assert (explain(2, config).impl, explain(2, config).caveat) == ("pallas", None), config
+  for d in (4, 8):
+    window = explain(d, rows)
+    assert window.impl == "pallas" and "decode v27" in window.caveat
+    assert "positions_on_m" not in window.caveat
+    on_m = explain(d, default)
+    assert on_m.impl == "pallas" and "streamed merge and config.positions_on_m" in on_m.caveat
+    assert "passed the GPU tests at D = 1 and 2;" in on_m.caveat

@@ -124,14 +124,10 @@ def test_blocks_with_several_items():
 
 
 @pytest.mark.experimental
-@pytest.mark.parametrize("field", ["merge_all", "stream_merge", "narrow_partials", "one_fence",
-                                   "positions_on_m"])
+@pytest.mark.parametrize("field", ["narrow_partials", "one_fence", "positions_on_m"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_config_variant_matches_float64_on_every_device_twice(case, field):
-  """A config switch flipped from the default: merge_all on (decode v19:
-  every source's partials in one merge pipeline), stream_merge on (v27:
-  every source's partials through one ring, each source's loads after its
-  wait), narrow_partials off (v20,
+  """A config switch flipped from the default: narrow_partials off (v20,
   the default since session 34, exchanges the partials in q's dtype; off:
   in float32), one_fence off (v21, the default since session 35, raises
   the peers' signals behind one fence; off: a release per peer) or

@@ -55,9 +55,9 @@ def _reference(q, k, v, lens, scale) -> np.ndarray:
 # of 1, 2, 4 and 8 groups, the last one partly filled; q shorter and longer
 # than the 64-row window; Dh 64 and 128; lengths ending mid-block, at a block
 # edge, inside device 0's slice (device 1 empty), zero and full; empty splits;
-# no lengths at all; D = 1, 2 and 3; one merge pipeline per source, and one
-# over every source (merge_all); partials in q's dtype (narrow_partials, the
-# default) and in float32.
+# no lengths at all; D = 1, 2 and 3; the merge ring over one split per
+# source, several per step, a source in several steps; partials in q's dtype
+# (narrow_partials, the default) and in float32.
 CASES = [
     (2, 8, 2, 128, 256, 2, (512, 300), BF16, fd.FlashDecodeConfig(128, 2, 2, 64)),
     (3, 4, 4, 64, 128, 2, (0, 64, 200), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
@@ -69,28 +69,18 @@ CASES = [
     (3, 48, 2, 64, 64, 2, (128, 64, 70), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
     # 8 splits of full-width merge rows: 2 partials per merge step, 4 steps.
     (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 8, 2, 128)),
-    # merge_all: every source's partials in one pipeline (D = 2 and 3; one
-    # split per source, and splits merged 2 per step across the sources).
-    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, merge_all=True)),
-    (1, 8, 2, 128, 1024, 2, (1500,), BF16,
-     fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True)),
+    # 4 splits of full-width rows: a source's partials in one step.
+    (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 4, 2, 128)),
+    (3, 4, 4, 64, 128, 1, (0, 64, 100), F16, fd.FlashDecodeConfig(64, 2, 3, 32)),
     # The partial outputs exchanged in float32 (narrow_partials off; bf16 and
-    # fp16; Dh 128 and 64; the narrowest merge columns; with merge_all).
+    # fp16; Dh 128 and 64; the narrowest merge columns; sources of 2 steps).
     (2, 8, 2, 128, 256, 2, (512, 300), BF16,
      fd.FlashDecodeConfig(128, 2, 2, 64, narrow_partials=False)),
     (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, narrow_partials=False)),
     (1, 8, 2, 128, 1024, 2, (1500,), BF16,
-     fd.FlashDecodeConfig(128, 4, 2, 128, merge_all=True, narrow_partials=False)),
-    # stream_merge: every source's partials through one two-slot ring, each
-    # source's loads after its wait (D = 1, 2 and 3; one split per source,
-    # splits merged 2 per step, a source in 4 steps; float32 partials).
-    (2, 32, 8, 64, 128, 3, (384, 129), F16, fd.FlashDecodeConfig(64, 1, 2, 16, stream_merge=True)),
-    (1, 8, 2, 128, 1024, 2, (1500,), BF16,
-     fd.FlashDecodeConfig(128, 4, 2, 128, stream_merge=True)),
-    (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 8, 2, 128, stream_merge=True)),
-    (3, 4, 4, 64, 128, 1, (0, 64, 100), F16, fd.FlashDecodeConfig(64, 2, 3, 32, stream_merge=True)),
+     fd.FlashDecodeConfig(128, 4, 2, 128, narrow_partials=False)),
     (3, 24, 2, 64, 128, 3, (256, 100, 129), BF16,
-     fd.FlashDecodeConfig(64, 2, 2, 16, stream_merge=True, narrow_partials=False)),
+     fd.FlashDecodeConfig(64, 2, 2, 16, narrow_partials=False)),
 ]
 # The cases above put the KV positions on the wgmma M (positions_on_m, the
 # default: query windows of 8 rows at G = 1, 4 and 8, 16 at G = 12 and 24 at
@@ -128,8 +118,7 @@ def _own_slots(recv, index, splits):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_hq{c[1]}_hkv{c[2]}_dh{c[3]}_s{c[4]}"
-                         f"_D{c[5]}{'_merge_all' if c[8].merge_all else ''}"
-                         f"{'_stream_merge' if c[8].stream_merge else ''}"
+                         f"_D{c[5]}_splits{c[8].splits}_cols{c[8].combine_cols}"
                          f"{'' if c[8].narrow_partials else '_f32_partials'}"
                          f"{'' if c[8].positions_on_m else '_64_rows'}")
 def test_every_device_merges_to_the_float64_reference(case, interpreter):
@@ -173,34 +162,27 @@ def _check_merges(case, interpreter):
     assert out.shape == (b, hq, dh) and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), want,
                                atol=tol * max(np.abs(want).max(), 1e-3), err_msg=f"device {i}")
-    # Each device merges its own partials first (or, with merge_all or
-    # stream_merge, every source's in device order), and all do the same
+    # Every device merges every source's partials in device order, the same
     # arithmetic: the output is replicated bit for bit.
     outs.append(np.asarray(out))
     np.testing.assert_array_equal(outs[i], outs[0], err_msg=f"device {i} differs from device 0")
 
 
-_MERGE_ALL, _STREAM = dict(merge_all=True), dict(stream_merge=True)
-
-
-@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,merge,narrow", [
-    (2, BF16, 128, 64, 8, 8192, {}, False), (2, F16, 64, 32, 8, 8192, {}, False),
-    (2, BF16, 128, 8, 8, 8192, {}, False),
-    (2, BF16, 128, 64, 1, 32768, {}, False),  # 16 splits, merged 8 at a time
-    (4, BF16, 128, 64, 1, 32768, {}, False), (3, BF16, 128, 64, 8, 3 * 4096, {}, False),
-    (4, BF16, 128, 64, 1, 32768, _MERGE_ALL, False), (4, BF16, 128, 64, 8, 8192, _MERGE_ALL, False),
-    (4, BF16, 128, 64, 8, 8192, {}, True), (4, BF16, 128, 64, 1, 32768, _MERGE_ALL, True),
-    (4, F16, 64, 32, 32, 4 * 4096, {}, True),
-    (2, BF16, 128, 64, 1, 32768, _STREAM, True), (4, BF16, 128, 64, 1, 32768, _STREAM, True),
-    (4, BF16, 128, 64, 8, 8192, _STREAM, True), (8, BF16, 128, 64, 1, 65536, _STREAM, True),
-    (8, BF16, 128, 64, 1, 65536, {}, False)])  # D = 8 (no 8-GPU machine yet)
-def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, merge, narrow):
+@pytest.mark.parametrize("d,dtype,dh,hq,b,s_total,narrow", [
+    (2, BF16, 128, 64, 8, 8192, False), (2, F16, 64, 32, 8, 8192, False),
+    (2, BF16, 128, 8, 8, 8192, False),
+    (2, BF16, 128, 64, 1, 32768, False),  # 16 splits, merged 8 at a time
+    (2, BF16, 128, 64, 1, 32768, True),
+    (4, BF16, 128, 64, 1, 32768, False), (3, BF16, 128, 64, 8, 3 * 4096, False),
+    (4, BF16, 128, 64, 8, 8192, False), (4, BF16, 128, 64, 8, 8192, True),
+    (4, BF16, 128, 64, 1, 32768, True), (4, F16, 64, 32, 32, 4 * 4096, True),
+    (8, BF16, 128, 64, 1, 65536, True), (8, BF16, 128, 64, 1, 65536, False)])  # D = 8 on paper
+def test_kernel_lowers_for_cuda_inside_shard_map(d, dtype, dh, hq, b, s_total, narrow):
   """The exchange (remote TMA stores, semaphores) lowers for CUDA at D = 2-4 and 8,
-  with one merge pipeline per source, one over all (merge_all) or one ring
-  over all (stream_merge), partials in float32 or in q's dtype
-  (narrow_partials), and the devices meet inside the kernel (entry.Entry's
-  handshake: one spin over every peer's marker), not at XLA's barrier."""
-  module = _cuda_module(d, dtype, dh, hq, b, s_total, narrow_partials=narrow, **merge)
+  partials in float32 or in q's dtype (narrow_partials), and the devices meet
+  inside the kernel (entry.Entry's handshake: one spin over every peer's
+  marker), not at XLA's barrier."""
+  module = _cuda_module(d, dtype, dh, hq, b, s_total, narrow_partials=narrow)
   assert f"{fd.KERNEL_NAME}_mosaic_gpu" in module  # named in profiles
   assert "skip_device_barrier = true" in module and module.count("bra SPIN") == 1
   # The one spin reads each peer's two marker words in every round.
@@ -314,30 +296,24 @@ def test_bad_combine_width_and_too_deep_a_ring_are_rejected_before_compiling():
 
 
 def test_merge_ring_takes_as_many_partials_per_step_as_fit():
+  """Two slots of `merge_batch` partials each (the ring runs over every
+  source's partials): a source's splits in as few steps as fit."""
   itemsize = 2
   # Partials in float32 (narrow_partials off).
   f32 = functools.partial(fd.FlashDecodeConfig, narrow_partials=False)
-  assert f32(128, 16, 2, 32).merge_ring(itemsize) == (8, 2)  # MERGE_BATCH
-  assert f32(128, 12, 2, 16).merge_ring(itemsize) == (6, 2)
-  # Full-width rows (34.8 KB per partial): 4 in one step, or 2 per step twice in flight.
-  assert f32(128, 4, 2, 128).merge_ring(itemsize) == (4, 1)
-  assert f32(128, 8, 2, 128).merge_ring(itemsize) == (2, 2)
-  assert f32(128, 7, 2, 128).merge_ring(itemsize) == (1, 2)
-  assert f32(128, 1, 2, 64).merge_ring(itemsize) == (1, 1)
-  # merge_all and stream_merge: the ring runs over D >= 2 sources, so always
-  # two steps in flight.
-  assert f32(128, 4, 2, 128, stream_merge=True).merge_ring(itemsize) == (2, 2)
-  assert f32(128, 1, 2, 64, stream_merge=True).merge_ring(itemsize) == (1, 2)
-  assert f32(128, 4, 2, 128, merge_all=True).merge_ring(itemsize) == (2, 2)
-  assert f32(128, 1, 2, 64, merge_all=True).merge_ring(itemsize) == (1, 2)
-  assert f32(128, 8, 2, 16, merge_all=True).merge_ring(itemsize) == (8, 2)
-  # Partials in q's dtype (the default): full-width rows take 18.4 KB, so 8 fit in one step.
-  assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_ring(itemsize) == (8, 1)
-  for splits, merge_all, narrow in itertools.product(range(1, 40), (False, True), (False, True)):
-    config = fd.FlashDecodeConfig(128, splits, 2, 128, merge_all=merge_all,
-                                  narrow_partials=narrow)
-    batch, stages = config.merge_ring(itemsize)
-    assert splits % batch == 0 and 1 <= stages <= 2
+  assert f32(128, 16, 2, 32).merge_batch(itemsize) == 8  # MERGE_BATCH
+  assert f32(128, 12, 2, 16).merge_batch(itemsize) == 6
+  assert f32(128, 8, 2, 16).merge_batch(itemsize) == 8
+  # Full-width rows (34.8 KB per partial): 2 per slot; 7 splits one at a time.
+  assert f32(128, 4, 2, 128).merge_batch(itemsize) == 2
+  assert f32(128, 8, 2, 128).merge_batch(itemsize) == 2
+  assert f32(128, 7, 2, 128).merge_batch(itemsize) == 1
+  assert f32(128, 1, 2, 64).merge_batch(itemsize) == 1
+  # Partials in q's dtype (the default): full-width rows take 18.4 KB, so 4 fit in a slot.
+  assert fd.FlashDecodeConfig(128, 8, 2, 128).merge_batch(itemsize) == 4
+  for splits, narrow in itertools.product(range(1, 40), (False, True)):
+    config = fd.FlashDecodeConfig(128, splits, 2, 128, narrow_partials=narrow)
+    assert splits % config.merge_batch(itemsize) == 0
     assert config.smem_bytes(128, itemsize, 8) <= fd.SMEM_BYTES
 
 
@@ -367,27 +343,22 @@ def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
 
 @pytest.mark.parametrize("d", [2, 3, 4, 8])
 def test_experimental_configs_are_named(d):
-  """Every config is experimental at D = 3 and 8 until run there: decode v26
-  (a block's peer stores under its next item's loads) and the default's
-  positions_on_m have passed the GPU tests at D = 1, 2 and 4 only. At D = 2
-  and 4 the 64-row window is not experimental either, with partials in q's
-  dtype or in float32 (narrow_partials), with one fence or a release per
-  peer (one_fence); merge_all is, everywhere but at D = 4 (GPU-tested there
-  with v19 and with v26)."""
-  tested = d in (2, 4)
+  """Every config is experimental at D >= 3 until run there: decode v27 (the
+  streamed merge) has passed the GPU tests at D = 1 and 2 only, and the
+  default's positions_on_m is named too. At D = 2 the 64-row window is not
+  experimental either, with partials in q's dtype or in float32
+  (narrow_partials), with one fence or a release per peer (one_fence)."""
+  tested = d == 2
   default = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
   assert default.positions_on_m and default.narrow_partials and default.one_fence
   on_m = fd.experimental_reason(default, axis_size=d)
-  assert (on_m is None) == tested and (on_m is None or "positions_on_m" in on_m), on_m
+  assert (on_m is None) == tested, on_m
+  assert on_m is None or ("v27" in on_m and "positions_on_m" in on_m
+                          and "at D = 1 and 2;" in on_m), on_m
   config = dataclasses.replace(default, positions_on_m=False)
   window = fd.experimental_reason(config, axis_size=d)
   assert (window is None) == tested, window
-  assert window is None or ("v26" in window and "positions_on_m" not in window), window
-  merge_all = fd.experimental_reason(dataclasses.replace(config, merge_all=True), axis_size=d)
-  assert (merge_all is None) == (d == 4), merge_all
-  assert merge_all is None or ("merge_all" in merge_all) == (d != 4), merge_all
-  stream = fd.experimental_reason(dataclasses.replace(default, stream_merge=True), axis_size=d)
-  assert stream is not None and "stream_merge" in stream, stream
+  assert window is None or ("v27" in window and "positions_on_m" not in window), window
   for variant in (dict(narrow_partials=False), dict(one_fence=False)):
     assert fd.experimental_reason(dataclasses.replace(config, **variant),
                                   axis_size=d) == window
