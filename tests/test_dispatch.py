@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import importlib
+import itertools
 import json
 import logging
 
@@ -472,10 +473,10 @@ def test_meet_inside_kernels_takes_entry_in_one_process_too(op, monkeypatch):
 
 
 def test_explain_marks_an_experimental_decode_config(monkeypatch):
-  """At D = 4 and 8 the decode kernel since v27 (the streamed merge,
-  GPU-tested at D = 1 and 2 only) is experimental, and with the default's
-  positions_on_m `explain` says so too; at D = 2 the default and the 64-row
-  window carry no caveat."""
+  """At D = 3 and 8 the decode kernel since v27 (the streamed merge,
+  GPU-tested at D = 1, 2 and 4 only) is experimental, and with the default's
+  positions_on_m `explain` says so too; at D = 2 and 4 the default and the
+  64-row window carry no caveat."""
   from pallas_kernels import flash_decode as fdk  # pylint: disable=import-outside-toplevel
   _as_on_hopper(monkeypatch)
   args = _decode_shapes(8, 4096)
@@ -483,12 +484,12 @@ def test_explain_marks_an_experimental_decode_config(monkeypatch):
   rows = dataclasses.replace(default, positions_on_m=False)
   explain = lambda d, config: jax_overlap.explain_flash_decode(
       *args, axis_size=d, impl="pallas", config=config)
-  for config in (default, rows):
-    assert (explain(2, config).impl, explain(2, config).caveat) == ("pallas", None), config
-  for d in (4, 8):
+  for d, config in itertools.product((2, 4), (default, rows)):
+    assert (explain(d, config).impl, explain(d, config).caveat) == ("pallas", None), (d, config)
+  for d in (3, 8):
     window = explain(d, rows)
     assert window.impl == "pallas" and "decode v27" in window.caveat
     assert "positions_on_m" not in window.caveat
     on_m = explain(d, default)
     assert on_m.impl == "pallas" and "streamed merge and config.positions_on_m" in on_m.caveat
-    assert "passed the GPU tests at D = 1 and 2;" in on_m.caveat
+    assert "passed the GPU tests at D = 1, 2 and 4;" in on_m.caveat

@@ -343,18 +343,19 @@ def test_groups_are_padded_to_eight_rows_and_merged_in_whole_groups():
 
 @pytest.mark.parametrize("d", [2, 3, 4, 8])
 def test_experimental_configs_are_named(d):
-  """Every config is experimental at D >= 3 until run there: decode v27 (the
-  streamed merge) has passed the GPU tests at D = 1 and 2 only, and the
-  default's positions_on_m is named too. At D = 2 the 64-row window is not
-  experimental either, with partials in q's dtype or in float32
-  (narrow_partials), with one fence or a release per peer (one_fence)."""
-  tested = d == 2
+  """Every config is experimental at D = 3 and 8 until run there: decode v27
+  (the streamed merge) has passed the GPU tests at D = 1, 2 and 4 only, and
+  the default's positions_on_m is named too. At D = 2 and 4 the 64-row
+  window is not experimental either, with partials in q's dtype or in
+  float32 (narrow_partials), with one fence or a release per peer
+  (one_fence)."""
+  tested = d in (2, 4)
   default = fd.default_config(8, 8, 64, 8192 // d, 128, BF16, num_sms=132)
   assert default.positions_on_m and default.narrow_partials and default.one_fence
   on_m = fd.experimental_reason(default, axis_size=d)
   assert (on_m is None) == tested, on_m
   assert on_m is None or ("v27" in on_m and "positions_on_m" in on_m
-                          and "at D = 1 and 2;" in on_m), on_m
+                          and "at D = 1, 2 and 4;" in on_m), on_m
   config = dataclasses.replace(default, positions_on_m=False)
   window = fd.experimental_reason(config, axis_size=d)
   assert (window is None) == tested, window
