@@ -631,8 +631,8 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
 
       def fold(o_ring, lse_ring, landed):
         """The state of every source's partials, `batch` per step in device
-        order through the ring's two slots: a source's first loads are
-        issued after its wait, into the slot the step before last read."""
+        order through the ring's two slots: step k + 2's loads go into the
+        slot that step k has just read, a source's first ones after its wait."""
         def fetch(k):
           k = jnp.asarray(k, jnp.int32)
           dev, chunk, slot = k // per_source, lax.rem(k, per_source), lax.rem(k, 2)
@@ -660,9 +660,9 @@ def flash_decode(q, k, v, kv_lens, *, axis_name=None, scale: float,
           pl.when(k + 2 < steps)(lambda: fetch(k + 2))
           return carry
 
-        for k in range(min(2, steps)):
-          fetch(k)
         with jax.named_scope("fold"):
+          for k in range(min(2, steps)):
+            fetch(k)
           return lax.fori_loop(0, steps, step, empty())
 
       acc, _, l = pl.run_scoped(
