@@ -67,7 +67,7 @@ CASES = [
     (5, 16, 4, 64, 128, 2, (256, 1, 130, 0, 200), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
     (3, 24, 2, 64, 128, 2, (256, 100, 129), F16, fd.FlashDecodeConfig(64, 2, 2, 16)),
     (3, 48, 2, 64, 64, 2, (128, 64, 70), BF16, fd.FlashDecodeConfig(64, 1, 2, 32)),
-    # 8 splits of full-width merge rows: 2 partials per merge step, 4 steps.
+    # 8 splits of full-width merge rows: 4 partials per merge step, 2 per source.
     (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 8, 2, 128)),
     # 4 splits of full-width rows: a source's partials in one step.
     (1, 8, 2, 128, 1024, 2, (1500,), BF16, fd.FlashDecodeConfig(128, 4, 2, 128)),
